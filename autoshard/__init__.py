@@ -1,0 +1,10 @@
+"""autoshard: fully sharded data parallel training (FSDP / ZeRO-3) as a torch.compile backend.
+
+    autoshard.shard(model)                             # parameters become per-rank shards
+    model = torch.compile(model, backend="autoshard")  # the backend does the rest
+"""
+from . import ops
+from .backend import autoshard_backend
+from .shard import shard
+
+__all__ = ["autoshard_backend", "ops", "shard"]
