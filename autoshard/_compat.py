@@ -11,9 +11,8 @@ import torch._dynamo
 import torch._functorch.config as functorch_config
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
+from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.compile_fx import compile_fx, compile_fx_inner
-from torch._inductor.compile_fx import partition_fn as inductor_partition_fn
-from torch._inductor.decomposition import select_decomp_table
 from torch.utils.checkpoint import CheckpointPolicy
 
 __all__ = [
@@ -22,11 +21,10 @@ __all__ = [
     "compile_fx",
     "compile_fx_inner",
     "functorch_config",
-    "inductor_partition_fn",
     "make_boxed_func",
+    "min_cut_rematerialization_partition",
     "must_recompute",
     "register_backend",
-    "select_decomp_table",
     "TESTED_TORCH",
 ]
 

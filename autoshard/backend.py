@@ -1,9 +1,8 @@
 """The ``autoshard`` torch.compile backend: capture -> lower -> inner compile.
 
-Dynamo hands us the captured graph; AOT autograd (with Inductor's decompositions and
-partitioner) builds the joint forward+backward graph, where the annotation ops are lowered
+Dynamo hands us the captured graph; AOT autograd builds the joint forward+backward graph, where the annotation ops are lowered
 to collectives and gathers are tagged for recompute; the partitioned forward and backward
-graphs then go to the inner compiler.
+graphs (min-cut partitioner, which honours the recompute tags) then go to the inner compiler.
 """
 from __future__ import annotations
 
@@ -22,10 +21,9 @@ from ._compat import (
     compile_fx,
     compile_fx_inner,
     functorch_config,
-    inductor_partition_fn,
     make_boxed_func,
+    min_cut_rematerialization_partition,
     register_backend,
-    select_decomp_table,
 )
 from .dump import GraphDump
 from .options import Options, parse_options
@@ -83,12 +81,12 @@ def autoshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options
         def compiler(stage: str) -> Callable:
             return lambda g, _inputs: make_boxed_func(_finish(g, stage, dump).forward)
 
+        # No decompositions: aot_eager runs the same ATen kernels as eager, bit for bit.
         return aot_autograd(
             fw_compiler=compiler("forward"),
             bw_compiler=compiler("backward"),
             inference_compiler=compiler("forward"),
-            partition_fn=inductor_partition_fn,
-            decompositions=select_decomp_table(),
+            partition_fn=min_cut_rematerialization_partition,
         )(gm, example_inputs)
 
 

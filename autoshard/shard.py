@@ -9,7 +9,6 @@ the parameters still live in ``module._parameters``.
 """
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -44,9 +43,9 @@ def _annotate(module: nn.Module, name: str) -> torch.Tensor:
 
 _subclasses: dict[tuple[type, tuple[str, ...]], type] = {}
 _base_of: dict[type, type] = {}  # sharded subclass -> the user's class
-# Specs of every parameter sharded so far, so a module that shares an already sharded
-# parameter (a tied head sharded after its embedding) gets the same annotation.
-_spec_of: weakref.WeakKeyDictionary[nn.Parameter, ParamSpec] = weakref.WeakKeyDictionary()
+# Each sharded parameter keeps its spec under this attribute, so a module that shares an
+# already sharded parameter (a tied head sharded after its embedding) gets the same annotation.
+_SPEC = "_autoshard_spec"
 
 
 def _sharded_class(cls: type, names: tuple[str, ...]) -> type:
@@ -116,9 +115,12 @@ def shard(module: nn.Module, mesh: DeviceMesh | None = None, *, reshard_after_fo
             if param is None or name in getattr(mod, "_autoshard_specs", {}):
                 continue
             if isinstance(param, DTensor):
-                if param not in _spec_of:
-                    raise ValueError(f"parameter {name!r} of {type(mod).__name__} is a DTensor that autoshard did not create.")
-                specs[name] = _spec_of[param]
+                if not hasattr(param, _SPEC):
+                    raise ValueError(
+                        f"parameter {name!r} of {type(mod).__name__} is a DTensor that autoshard did not create; "
+                        "autoshard.shard expects plain parameters."
+                    )
+                specs[name] = getattr(param, _SPEC)
                 continue
             if id(param) not in sharded:
                 placement = Shard(0) if param.dim() > 0 else Replicate()
@@ -133,7 +135,7 @@ def shard(module: nn.Module, mesh: DeviceMesh | None = None, *, reshard_after_fo
         for name, spec in specs.items():
             new = sharded.get(id(mod._parameters[name]), mod._parameters[name])
             mod._parameters[name] = new
-            _spec_of[new] = spec
+            setattr(new, _SPEC, spec)
         mod._autoshard_specs = {**getattr(mod, "_autoshard_specs", {}), **specs}
         mod.__class__ = _sharded_class(type(mod), tuple(sorted(mod._autoshard_specs)))
     setattr(module, _SHARDED, True)
