@@ -1,0 +1,104 @@
+"""Graph shapes at world size 8 (fake process group, one process)."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import fx
+
+import autoshard
+from autoshard._compat import c10d
+from fake_pg import captured_graphs, count, fake_world
+from models import batch, build
+
+WORLD = 8
+
+
+@pytest.fixture(autouse=True)
+def world8():
+    torch._dynamo.reset()
+    with fake_world(WORLD):
+        yield
+
+
+def _compile_step(monkeypatch, name: str, **options) -> tuple[torch.nn.Module, fx.GraphModule, fx.GraphModule]:
+    model = autoshard.shard(build(name))
+    with captured_graphs(monkeypatch) as graphs:
+        compiled = torch.compile(model, backend="autoshard", options={"compiler": "aot_eager", **options})
+        x, y = batch(name, 0)
+        compiled(x[:1], y[:1]).backward()
+    (fw,), (bw,) = graphs["forward"], graphs["backward"]
+    return model, fw, bw
+
+
+def _saved_gathers(fw: fx.GraphModule) -> list[fx.Node]:
+    """Forward outputs (saved for backward, or returned) that are gathered parameters or views of them."""
+    found = []
+    for out in fw.graph.output_node().args[0]:
+        node = out
+        while isinstance(node, fx.Node) and node.op == "call_function" and node.target is not c10d.wait_tensor.default:
+            if not getattr(node.target, "is_view", False):
+                break
+            node = node.args[0]
+        if isinstance(node, fx.Node) and node.target is c10d.wait_tensor.default:
+            found.append(out)
+    return found
+
+
+@pytest.mark.parametrize("name", ["gpt", "mlp"])
+def test_one_gather_per_parameter_and_one_reduce_per_gradient(monkeypatch, name):
+    model, fw, bw = _compile_step(monkeypatch, name)
+    params = list(model.parameters())  # tied weights appear once
+    assert count(fw, "all_gather_into_tensor") == len(params)
+    assert count(bw, "reduce_scatter_tensor") == len(params)
+    assert count(fw, "reduce_scatter") == count(bw, "all_reduce") == 0
+
+
+def test_reshard_after_forward_regathers_in_backward_and_saves_no_full_parameter(monkeypatch):
+    _, fw, bw = _compile_step(monkeypatch, "gpt")
+    assert count(bw, "all_gather_into_tensor") > 0
+    assert _saved_gathers(fw) == []
+
+
+def test_without_reshard_the_forward_keeps_gathered_parameters(monkeypatch):
+    _, fw, bw = _compile_step(monkeypatch, "gpt", reshard_after_forward=False)
+    assert count(bw, "all_gather_into_tensor") == 0
+    assert len(_saved_gathers(fw)) > 0
+
+
+def test_frozen_parameters_are_gathered_never_reduced(monkeypatch):
+    model, fw, bw = _compile_step(monkeypatch, "frozen")
+    params = list(model.parameters())
+    assert count(fw, "all_gather_into_tensor") == len(params)
+    assert count(bw, "reduce_scatter_tensor") == sum(p.requires_grad for p in params)
+
+
+def test_uneven_and_scalar_parameters(monkeypatch):
+    model, fw, bw = _compile_step(monkeypatch, "uneven")
+    params = list(model.parameters())
+    assert count(fw, "all_gather_into_tensor") == sum(p.dim() > 0 for p in params)
+    assert count(bw, "reduce_scatter_tensor") == sum(p.dim() > 0 for p in params)
+    assert count(bw, "all_reduce") == 1  # the 0-d temperature is replicated
+    assert count(fw, "aten.slice") > 0  # 10 rows over 8 ranks: 16 gathered, padding cut off
+
+
+def test_unsharded_trainable_parameters_warn_once():
+    model = build("mlp")
+    x, y = batch("mlp", 0)
+    with pytest.warns(UserWarning, match="autoshard.shard"):
+        torch.compile(model, backend="autoshard", options={"compiler": "aot_eager"})(x, y)
+    torch._dynamo.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torch.compile(build("mlp"), backend="autoshard", options={"compiler": "aot_eager"})(x, y)
+
+
+def test_inference_graph_is_lowered_too(monkeypatch):
+    model = autoshard.shard(build("mlp"))
+    with captured_graphs(monkeypatch) as graphs, torch.no_grad():
+        x, y = batch("mlp", 0)
+        torch.compile(model, backend="autoshard", options={"compiler": "aot_eager"})(x, y)
+    (fw,) = graphs["forward"]
+    assert count(fw, "all_gather_into_tensor") == 3
+    assert count(fw, "autoshard") == 0
