@@ -100,5 +100,5 @@ def test_inference_graph_is_lowered_too(monkeypatch):
         x, y = batch("mlp", 0)
         torch.compile(model, backend="autoshard", options={"compiler": "aot_eager"})(x, y)
     (fw,) = graphs["forward"]
-    assert count(fw, "all_gather_into_tensor") == 3
+    assert count(fw, "all_gather_into_tensor") == len(list(model.parameters()))
     assert count(fw, "autoshard") == 0
