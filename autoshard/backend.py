@@ -90,4 +90,4 @@ def autoshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options
         )(gm, example_inputs)
 
 
-register_backend(autoshard_backend, name="autoshard")
+register_backend(autoshard_backend, "autoshard")

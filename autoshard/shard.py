@@ -46,6 +46,7 @@ _base_of: dict[type, type] = {}  # sharded subclass -> the user's class
 # Each sharded parameter keeps its spec under this attribute, so a module that shares an
 # already sharded parameter (a tied head sharded after its embedding) gets the same annotation.
 _SPEC = "_autoshard_spec"
+_SHARDED_AS = "_autoshard_sharded_as"  # on a replaced plain parameter: its shard
 
 
 def _sharded_class(cls: type, names: tuple[str, ...]) -> type:
@@ -114,6 +115,9 @@ def shard(module: nn.Module, mesh: DeviceMesh | None = None, *, reshard_after_fo
         for name, param in mod._parameters.items():
             if param is None or name in getattr(mod, "_autoshard_specs", {}):
                 continue
+            # A parameter shared with a module sharded earlier (a tied head whose embedding
+            # was sharded first) is replaced by that shard.
+            param = getattr(param, _SHARDED_AS, param)
             if isinstance(param, DTensor):
                 if not hasattr(param, _SPEC):
                     raise ValueError(
@@ -133,9 +137,12 @@ def shard(module: nn.Module, mesh: DeviceMesh | None = None, *, reshard_after_fo
 
     for mod, specs in owners:
         for name, spec in specs.items():
-            new = sharded.get(id(mod._parameters[name]), mod._parameters[name])
-            mod._parameters[name] = new
+            old = mod._parameters[name]
+            new = sharded[id(old)] if id(old) in sharded else getattr(old, _SHARDED_AS, old)
+            if new is not old:
+                setattr(old, _SHARDED_AS, new)
             setattr(new, _SPEC, spec)
+            mod._parameters[name] = new
         mod._autoshard_specs = {**getattr(mod, "_autoshard_specs", {}), **specs}
         mod.__class__ = _sharded_class(type(mod), tuple(sorted(mod._autoshard_specs)))
     setattr(module, _SHARDED, True)
