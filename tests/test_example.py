@@ -1,0 +1,21 @@
+"""The example trains end to end on 2 self-started CPU ranks."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_gpt.py"
+
+
+def test_train_gpt_runs_and_learns():
+    out = subprocess.run(
+        [sys.executable, str(EXAMPLE), "--steps", "12"], capture_output=True, text=True, timeout=600, check=True
+    ).stdout
+    losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", out)]
+    assert len(losses) == 12
+    assert losses[-1] < losses[0] - 0.5  # it learns
+    shards = re.findall(r"rank (\d): parameter shard .* \((\d\.\d+)\)", out)
+    assert sorted(r for r, _ in shards) == ["0", "1"]
+    assert all(float(ratio) == 0.5 for _, ratio in shards)
