@@ -36,10 +36,11 @@ def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 @torch.library.custom_op("autoshard::unshard", mutates_args=())
-def unshard(shard: torch.Tensor, group_name: str, world_size: int, dim0: int, reshard: bool) -> torch.Tensor:
+def unshard(shard: torch.Tensor, group_name: str, world_size: int, dim0: int, reshard: bool, name: str) -> torch.Tensor:
     """All-gather ``shard`` (this rank's rows of a ``dim0``-row parameter) into the full parameter.
 
-    ``reshard``: free the result after forward and gather again in backward.
+    ``reshard``: free the result after forward and gather again in backward. ``name``: the
+    parameter's fully qualified name, which bucketing groups by.
     """
     padded = _pad_rows(shard, chunk_rows(dim0, world_size)).contiguous()
     gathered = c10d.wait_tensor(c10d.all_gather_into_tensor(padded, world_size, group_name))
@@ -47,12 +48,12 @@ def unshard(shard: torch.Tensor, group_name: str, world_size: int, dim0: int, re
 
 
 @unshard.register_fake
-def _(shard, group_name, world_size, dim0, reshard):
+def _(shard, group_name, world_size, dim0, reshard, name):
     return shard.new_empty((dim0, *shard.shape[1:]))
 
 
 @torch.library.custom_op("autoshard::reduce_grad", mutates_args=())
-def reduce_grad(grad: torch.Tensor, group_name: str, world_size: int, shard_rows: int) -> torch.Tensor:
+def reduce_grad(grad: torch.Tensor, group_name: str, world_size: int, shard_rows: int, name: str) -> torch.Tensor:
     """Reduce-scatter a full gradient, averaged over the data-parallel ranks, to this rank's
     ``shard_rows`` rows."""
     padded = _pad_rows(grad, chunk_rows(grad.shape[0], world_size) * world_size).contiguous()
@@ -61,42 +62,42 @@ def reduce_grad(grad: torch.Tensor, group_name: str, world_size: int, shard_rows
 
 
 @reduce_grad.register_fake
-def _(grad, group_name, world_size, shard_rows):
+def _(grad, group_name, world_size, shard_rows, name):
     return grad.new_empty((shard_rows, *grad.shape[1:]))
 
 
 def _unshard_setup(ctx, inputs, output):
-    shard, group_name, world_size, _, _ = inputs
-    ctx.args = (group_name, world_size, shard.shape[0])
+    shard, group_name, world_size, _, _, name = inputs
+    ctx.args = (group_name, world_size, shard.shape[0], name)
 
 
 def _unshard_backward(ctx, grad):
-    return reduce_grad(grad.contiguous(), *ctx.args), None, None, None, None
+    return reduce_grad(grad.contiguous(), *ctx.args), None, None, None, None, None
 
 
 unshard.register_autograd(_unshard_backward, setup_context=_unshard_setup)
 
 
 @torch.library.custom_op("autoshard::replicate", mutates_args=())
-def replicate(tensor: torch.Tensor, group_name: str, world_size: int) -> torch.Tensor:
+def replicate(tensor: torch.Tensor, group_name: str, world_size: int, name: str) -> torch.Tensor:
     """Use of a replicated parameter (one that cannot be split, e.g. 0-d): identity forward,
     gradient averaged over the ranks in backward."""
     return tensor.clone()
 
 
 @replicate.register_fake
-def _(tensor, group_name, world_size):
+def _(tensor, group_name, world_size, name):
     return torch.empty_like(tensor)
 
 
 @torch.library.custom_op("autoshard::all_reduce_grad", mutates_args=())
-def all_reduce_grad(grad: torch.Tensor, group_name: str, world_size: int) -> torch.Tensor:
+def all_reduce_grad(grad: torch.Tensor, group_name: str, world_size: int, name: str) -> torch.Tensor:
     """All-reduce a gradient, averaged over the data-parallel ranks."""
     return c10d.wait_tensor(c10d.all_reduce(grad.contiguous(), "avg", group_name)).clone()
 
 
 @all_reduce_grad.register_fake
-def _(grad, group_name, world_size):
+def _(grad, group_name, world_size, name):
     return torch.empty_like(grad)
 
 
@@ -105,7 +106,7 @@ def _replicate_setup(ctx, inputs, output):
 
 
 def _replicate_backward(ctx, grad):
-    return all_reduce_grad(grad, *ctx.args), None, None
+    return all_reduce_grad(grad, *ctx.args), None, None, None
 
 
 replicate.register_autograd(_replicate_backward, setup_context=_replicate_setup)

@@ -9,7 +9,7 @@ the parameters still live in ``module._parameters``.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -30,6 +30,7 @@ class ParamSpec:
     world_size: int
     dim0: int  # full rows; -1 for a replicated (0-d) parameter
     reshard: bool
+    name: str  # fully qualified, relative to the outermost module passed to shard()
 
 
 def _annotate(module: nn.Module, name: str) -> torch.Tensor:
@@ -37,8 +38,8 @@ def _annotate(module: nn.Module, name: str) -> torch.Tensor:
     spec = module._autoshard_specs[name]
     local = param.to_local()
     if spec.dim0 < 0:
-        return ops.replicate(local, spec.group_name, spec.world_size)
-    return ops.unshard(local, spec.group_name, spec.world_size, spec.dim0, spec.reshard)
+        return ops.replicate(local, spec.group_name, spec.world_size, spec.name)
+    return ops.unshard(local, spec.group_name, spec.world_size, spec.dim0, spec.reshard, spec.name)
 
 
 _subclasses: dict[tuple[type, tuple[str, ...]], type] = {}
@@ -110,10 +111,15 @@ def shard(module: nn.Module, mesh: DeviceMesh | None = None, *, reshard_after_fo
     # Build every new parameter first, then install them all: nothing is half-applied.
     sharded: dict[int, nn.Parameter] = {}
     owners: list[tuple[nn.Module, dict[str, ParamSpec]]] = []
-    for mod in module.modules():
+    for prefix, mod in module.named_modules():
         specs = {}
         for name, param in mod._parameters.items():
-            if param is None or name in getattr(mod, "_autoshard_specs", {}):
+            if param is None:
+                continue
+            fqn = f"{prefix}.{name}" if prefix else name
+            # Sharded by an earlier call on a submodule: keep its settings, name it from here.
+            if name in getattr(mod, "_autoshard_specs", {}):
+                specs[name] = replace(mod._autoshard_specs[name], name=fqn)
                 continue
             # A parameter shared with a module sharded earlier (a tied head whose embedding
             # was sharded first) is replaced by that shard.
@@ -121,17 +127,17 @@ def shard(module: nn.Module, mesh: DeviceMesh | None = None, *, reshard_after_fo
             if isinstance(param, DTensor):
                 if not hasattr(param, _SPEC):
                     raise ValueError(
-                        f"parameter {name!r} of {type(mod).__name__} is a DTensor that autoshard did not create; "
+                        f"parameter {fqn!r} is a DTensor that autoshard did not create; "
                         "autoshard.shard expects plain parameters."
                     )
-                specs[name] = getattr(param, _SPEC)
+                specs[name] = replace(getattr(param, _SPEC), name=fqn)
                 continue
             if id(param) not in sharded:
                 placement = Shard(0) if param.dim() > 0 else Replicate()
                 local = distribute_tensor(param.detach(), mesh, [placement])
                 sharded[id(param)] = nn.Parameter(local, requires_grad=param.requires_grad)
             dim0 = param.shape[0] if param.dim() > 0 else -1
-            specs[name] = ParamSpec(group_name, world_size, dim0, reshard_after_forward)
+            specs[name] = ParamSpec(group_name, world_size, dim0, reshard_after_forward, fqn)
         if specs:
             owners.append((mod, specs))
 

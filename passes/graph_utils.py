@@ -7,6 +7,10 @@ import torch
 from torch import fx
 from torch.utils._pytree import tree_map
 
+# node.meta keys the passes share.
+PARAM = "autoshard_param"  # on a collective: the name of the parameter it moves
+GATHERED = "autoshard_gathered"  # on a copy-out node: its output is (part of) a gathered parameter
+
 
 def val(node: Any) -> Any:
     """The fake value of a node (or the constant itself)."""

@@ -7,7 +7,7 @@ from torch import fx
 from autoshard._compat import c10d, must_recompute
 from autoshard.ops import chunk_rows
 
-from .graph_utils import call, is_op, val
+from .graph_utils import PARAM, call, is_op, val
 
 aten = torch.ops.aten
 annotations = torch.ops.autoshard
@@ -30,29 +30,35 @@ def _take_rows(graph: fx.Graph, x: fx.Node, rows: int) -> fx.Node:
 
 
 def _lower_unshard(graph: fx.Graph, node: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
-    shard, group, world, dim0, _ = node.args
+    shard, group, world, dim0, _, name = node.args
     if world == 1:
         return shard, []
     padded = _pad_rows(graph, shard, chunk_rows(dim0, world))
-    gathered = call(graph, c10d.wait_tensor.default, call(graph, c10d.all_gather_into_tensor.default, padded, world, group))
+    gather = call(graph, c10d.all_gather_into_tensor.default, padded, world, group)
+    gather.meta[PARAM] = name
+    gathered = call(graph, c10d.wait_tensor.default, gather)
     full = _take_rows(graph, gathered, dim0)
     return full, [n for n in (padded, gathered.args[0], gathered, full) if n is not shard]
 
 
 def _lower_reduce_grad(graph: fx.Graph, node: fx.Node) -> fx.Node:
-    grad, group, world, rows = node.args
+    grad, group, world, rows, name = node.args
     if world == 1:
         return grad
     padded = _pad_rows(graph, grad, chunk_rows(val(grad).shape[0], world) * world)
-    reduced = call(graph, c10d.wait_tensor.default, call(graph, c10d.reduce_scatter_tensor.default, padded, "avg", world, group))
+    reduce = call(graph, c10d.reduce_scatter_tensor.default, padded, "avg", world, group)
+    reduce.meta[PARAM] = name
+    reduced = call(graph, c10d.wait_tensor.default, reduce)
     return _take_rows(graph, reduced, rows)
 
 
 def _lower_all_reduce_grad(graph: fx.Graph, node: fx.Node) -> fx.Node:
-    grad, group, world = node.args
+    grad, group, world, name = node.args
     if world == 1:
         return grad
-    return call(graph, c10d.wait_tensor.default, call(graph, c10d.all_reduce.default, grad, "avg", group))
+    reduce = call(graph, c10d.all_reduce.default, grad, "avg", group)
+    reduce.meta[PARAM] = name
+    return call(graph, c10d.wait_tensor.default, reduce)
 
 
 def _view_chain(node: fx.Node) -> list[fx.Node]:
@@ -77,7 +83,8 @@ def lower_annotations(gm: fx.GraphModule, reshard_after_forward: bool | None = N
     ``reduce_grad`` becomes pad -> reduce_scatter_tensor(avg) -> wait_tensor -> slice,
     ``all_reduce_grad`` becomes all_reduce(avg) -> wait_tensor and ``replicate`` its input
     (pads and slices only where dim 0 does not divide evenly; at world size 1 no collective
-    at all). Gathers to reshard (the op's flag, or ``reshard_after_forward`` when given) and
+    at all). Each collective records its parameter's name in ``meta["autoshard_param"]``.
+    Gathers to reshard (the op's flag, or ``reshard_after_forward`` when given) and
     the views of their results are tagged MUST_RECOMPUTE, so a partitioned forward saves
     shards, never full parameters. Numerics are unchanged; the pass is idempotent.
     """

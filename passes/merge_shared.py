@@ -44,13 +44,13 @@ def merge_shared_parameters(gm: fx.GraphModule) -> fx.GraphModule:
             shard = node.args[0]
             while _is_noop_view(shard):
                 shard = shard.args[0]
-            kept = first.setdefault((shard, *node.args[1:]), node)
+            kept = first.setdefault((shard, *node.args[1:-1]), node)  # the name may differ
             if kept is not node:
                 node.replace_all_uses_with(kept)
                 graph.erase_node(node)
         elif node.op == "call_function" and node.target is aten.add.Tensor and len(node.args) == 2 and not node.kwargs:
             chains = [_reduced(arg) for arg in node.args]
-            if None in chains or chains[0][0].args[1:] != chains[1][0].args[1:]:
+            if None in chains or chains[0][0].args[1:-1] != chains[1][0].args[1:-1]:
                 continue
             (a, *_), (b, *_) = chains
             with graph.inserting_before(node):
