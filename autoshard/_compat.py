@@ -9,26 +9,43 @@ from __future__ import annotations
 import torch
 import torch._dynamo
 import torch._functorch.config as functorch_config
+import torch._inductor.config as inductor_config
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
+import torch._inductor.fx_passes.overlap_scheduling as overlap_scheduling
 from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch._inductor.fx_passes.memory_estimator import MemoryTracker
 from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+from torch.distributed.distributed_c10d import _resolve_process_group as resolve_process_group
+from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.checkpoint import CheckpointPolicy
 
 __all__ = [
+    "MemoryTracker",
+    "RUNTIME_ESTIMATION",
+    "overlap_scheduling",
+    "resolve_process_group",
     "aot_autograd",
     "c10d",
     "compile_fx",
     "compile_fx_inner",
     "functorch_config",
+    "inductor_config",
     "make_boxed_func",
     "min_cut_rematerialization_partition",
     "must_recompute",
+    "must_save",
+    "recompute_region",
     "register_backend",
     "TESTED_TORCH",
+    "tree_leaves",
+    "tree_map",
 ]
 
 TESTED_TORCH = "2.13"
+
+# Where Inductor's roofline estimate reads hardware numbers (patched to run it on CPU).
+RUNTIME_ESTIMATION = "torch.utils._runtime_estimation"
 
 # The traceable functional collectives (explicit wait_tensor) that Inductor lowers.
 c10d = torch.ops._c10d_functional
@@ -49,6 +66,16 @@ def must_recompute(node: torch.fx.Node, graph_id: int) -> None:
     """Tag a joint-graph node so the partitioner recomputes it in backward, never saves it."""
     node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
     node.meta["ac_graph_id"] = graph_id
+
+
+def recompute_region(node: torch.fx.Node) -> int | None:
+    """The region id of a node tagged MUST_RECOMPUTE, else None."""
+    return node.meta.get("ac_graph_id") if node.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE else None
+
+
+def must_save(node: torch.fx.Node) -> None:
+    """Tag a joint-graph node so the partitioner saves it for backward."""
+    node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
 
 
 def fake_process_group(rank: int, world_size: int) -> None:

@@ -14,21 +14,38 @@ import torch.distributed as dist
 from torch import fx
 from torch.distributed.tensor import DTensor
 
-from autoshard.passes import lower_annotations, merge_shared_parameters
+from autoshard.passes import (
+    bucket_collectives,
+    inductor_schedule,
+    keep_last_bucket_gathered,
+    lower_annotations,
+    merge_shared_parameters,
+    schedule_overlap,
+)
 
 from ._compat import (
     aot_autograd,
     compile_fx,
     compile_fx_inner,
     functorch_config,
+    inductor_config,
     make_boxed_func,
     min_cut_rematerialization_partition,
     register_backend,
 )
+from .consistency import check_ranks_agree
+from .cost_model import DeviceProfile, estimators, get_profile
 from .dump import GraphDump
 from .options import Options, parse_options
 
 _warned_unsharded = False
+
+# Inductor settings that would move nodes away from a scheduled order.
+KEEP_ORDER = {
+    "reorder_for_locality": False,
+    "reorder_for_peak_memory": False,
+    "reorder_for_compute_comm_overlap": False,
+}
 
 
 def _warn_if_unsharded(example_inputs: Sequence[Any]) -> None:
@@ -45,9 +62,30 @@ def _warn_if_unsharded(example_inputs: Sequence[Any]) -> None:
         )
 
 
-def _finish(gm: fx.GraphModule, stage: str, dump: GraphDump) -> fx.GraphModule:
-    # A graph compiled without autograd (inference) never went through the joint pass.
+def _profile(gm: fx.GraphModule, opts: Options) -> DeviceProfile:
+    if opts.profile is not None:
+        return get_profile(opts.profile)
+    vals = (n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder"))
+    on_cuda = any(isinstance(v, torch.Tensor) and v.device.type == "cuda" for v in vals)
+    return get_profile("h100" if on_cuda else "cpu")
+
+
+def _mib(value: float | None) -> int | None:
+    return None if value is None else int(value * 2**20)
+
+
+def _finish(gm: fx.GraphModule, stage: str, dump: GraphDump, opts: Options) -> fx.GraphModule:
+    """Lower (a graph compiled without autograd never went through the joint pass), bucket
+    and schedule one partitioned graph, check all ranks agree on it, and dump it."""
     lower_annotations(gm)
+    compute_time, comm_time = estimators(_profile(gm, opts))
+    if opts.schedule == "autoshard":
+        bucket_collectives(gm, opts.bucket_mb)
+        dump.write(f"{stage}_bucketed", gm)
+        schedule_overlap(gm, compute_time, comm_time, _mib(opts.max_inflight_mb))
+    elif opts.schedule == "inductor":
+        inductor_schedule(gm, compute_time, comm_time)
+    check_ranks_agree(gm, stage)
     dump.write(stage, gm)
     return gm
 
@@ -65,6 +103,8 @@ def autoshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options
         dump.write("joint", joint)
         merge_shared_parameters(joint)
         lower_annotations(joint, opts.reshard_after_forward)
+        if opts.schedule == "autoshard":
+            keep_last_bucket_gathered(joint, opts.bucket_mb, _mib(opts.max_inflight_mb))
         dump.write("lowered", joint)
         return joint
 
@@ -74,12 +114,17 @@ def autoshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options
 
             def inner_compile(g: fx.GraphModule, inputs: Sequence[Any], **kwargs: Any) -> Any:
                 stage = "backward" if kwargs.get("is_backward") else "forward"
-                return compile_fx_inner(_finish(g, stage, dump), inputs, **kwargs)
+                g = _finish(g, stage, dump, opts)
+                if opts.schedule == "none":
+                    return compile_fx_inner(g, inputs, **kwargs)
+                # Inductor must keep the order the schedule chose.
+                with inductor_config.patch(KEEP_ORDER):
+                    return compile_fx_inner(g, inputs, **kwargs)
 
             return compile_fx(gm, example_inputs, inner_compile=inner_compile)
 
         def compiler(stage: str) -> Callable:
-            return lambda g, _inputs: make_boxed_func(_finish(g, stage, dump).forward)
+            return lambda g, _inputs: make_boxed_func(_finish(g, stage, dump, opts).forward)
 
         # No decompositions: aot_eager runs the same ATen kernels as eager, bit for bit.
         return aot_autograd(

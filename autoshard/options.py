@@ -5,6 +5,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 COMPILERS = ("inductor", "aot_eager", "eager")
+SCHEDULES = ("autoshard", "none", "inductor")
 
 
 @dataclass(frozen=True)
@@ -16,11 +17,23 @@ class Options:
     reshard_after_forward: overrides the value given to ``autoshard.shard`` for every
         parameter; ``None`` keeps each parameter's own.
     debug_dir: write each compiled graph's stages as Python code under this folder.
+    schedule: "autoshard" (bucket by module structure, prefetch by the cost model, bounded
+        memory), "none" (the lowered graph: gather at use, reduce at end) or "inductor"
+        (PyTorch's own bucketing and overlap scheduler), for comparisons on identical graphs.
+    bucket_mb: cap on a bucket's size (MiB); default: one bucket per repeated block.
+    max_inflight_mb: cap on gathered parameters alive at once (MiB); default: what the cost
+        model asks for overlap, at most two buckets ahead.
+    profile: the cost model's device profile for scheduling decisions; default: "h100" for
+        graphs on CUDA, "cpu" otherwise.
     """
 
     compiler: str = "inductor"
     reshard_after_forward: bool | None = None
     debug_dir: str | None = None
+    schedule: str = "autoshard"
+    bucket_mb: float | None = None
+    max_inflight_mb: float | None = None
+    profile: str | None = None
 
     def __post_init__(self) -> None:
         if self.compiler not in COMPILERS:
@@ -31,6 +44,17 @@ class Options:
             )
         if self.debug_dir is not None and not isinstance(self.debug_dir, str):
             raise ValueError(f"autoshard option 'debug_dir' must be a path string, got {self.debug_dir!r}.")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"autoshard option 'schedule' must be one of {SCHEDULES}, got {self.schedule!r}.")
+        for name in ("bucket_mb", "max_inflight_mb"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+                raise ValueError(f"autoshard option {name!r} must be a positive number of MiB, got {value!r}.")
+        if self.profile is not None:
+            from .cost_model import PROFILES
+
+            if self.profile not in PROFILES:
+                raise ValueError(f"autoshard option 'profile' must be one of {tuple(PROFILES)}, got {self.profile!r}.")
 
 
 def parse_options(options: dict[str, Any] | None) -> Options:

@@ -1,9 +1,23 @@
 """autoshard's graph passes: each a deterministic ``GraphModule -> GraphModule`` function.
 
-Installed as ``autoshard.passes``. In pipeline order: merge_shared_parameters and
-lower_annotations run on the joint forward+backward graph.
+Installed as ``autoshard.passes``. In pipeline order: on the joint forward+backward graph,
+merge_shared_parameters, lower_annotations and keep_last_bucket_gathered; on each
+partitioned graph, bucket_collectives then schedule_overlap (or PyTorch's own scheduler,
+inductor_schedule, as a baseline).
 """
+from .bucket import bucket_collectives, plan_buckets
+from .inductor_schedule import inductor_schedule
 from .lower import lower_annotations
 from .merge_shared import merge_shared_parameters
+from .reshard import keep_last_bucket_gathered
+from .schedule import schedule_overlap
 
-__all__ = ["lower_annotations", "merge_shared_parameters"]
+__all__ = [
+    "bucket_collectives",
+    "inductor_schedule",
+    "keep_last_bucket_gathered",
+    "lower_annotations",
+    "merge_shared_parameters",
+    "plan_buckets",
+    "schedule_overlap",
+]

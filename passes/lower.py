@@ -7,7 +7,7 @@ from torch import fx
 from autoshard._compat import c10d, must_recompute
 from autoshard.ops import chunk_rows
 
-from .graph_utils import PARAM, call, is_op, val
+from .graph_utils import PARAMS, call, is_op, val
 
 aten = torch.ops.aten
 annotations = torch.ops.autoshard
@@ -35,7 +35,7 @@ def _lower_unshard(graph: fx.Graph, node: fx.Node) -> tuple[fx.Node, list[fx.Nod
         return shard, []
     padded = _pad_rows(graph, shard, chunk_rows(dim0, world))
     gather = call(graph, c10d.all_gather_into_tensor.default, padded, world, group)
-    gather.meta[PARAM] = name
+    gather.meta[PARAMS] = (name,)
     gathered = call(graph, c10d.wait_tensor.default, gather)
     full = _take_rows(graph, gathered, dim0)
     return full, [n for n in (padded, gathered.args[0], gathered, full) if n is not shard]
@@ -47,7 +47,7 @@ def _lower_reduce_grad(graph: fx.Graph, node: fx.Node) -> fx.Node:
         return grad
     padded = _pad_rows(graph, grad, chunk_rows(val(grad).shape[0], world) * world)
     reduce = call(graph, c10d.reduce_scatter_tensor.default, padded, "avg", world, group)
-    reduce.meta[PARAM] = name
+    reduce.meta[PARAMS] = (name,)
     reduced = call(graph, c10d.wait_tensor.default, reduce)
     return _take_rows(graph, reduced, rows)
 
@@ -57,7 +57,7 @@ def _lower_all_reduce_grad(graph: fx.Graph, node: fx.Node) -> fx.Node:
     if world == 1:
         return grad
     reduce = call(graph, c10d.all_reduce.default, grad, "avg", group)
-    reduce.meta[PARAM] = name
+    reduce.meta[PARAMS] = (name,)
     return call(graph, c10d.wait_tensor.default, reduce)
 
 
@@ -83,7 +83,7 @@ def lower_annotations(gm: fx.GraphModule, reshard_after_forward: bool | None = N
     ``reduce_grad`` becomes pad -> reduce_scatter_tensor(avg) -> wait_tensor -> slice,
     ``all_reduce_grad`` becomes all_reduce(avg) -> wait_tensor and ``replicate`` its input
     (pads and slices only where dim 0 does not divide evenly; at world size 1 no collective
-    at all). Each collective records its parameter's name in ``meta["autoshard_param"]``.
+    at all). Each collective records its parameter name in ``meta["autoshard_params"]``.
     Gathers to reshard (the op's flag, or ``reshard_after_forward`` when given) and
     the views of their results are tagged MUST_RECOMPUTE, so a partitioned forward saves
     shards, never full parameters. Numerics are unchanged; the pass is idempotent.

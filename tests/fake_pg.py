@@ -28,8 +28,8 @@ def captured_graphs(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, list[
     graphs: dict[str, list[fx.GraphModule]] = {"forward": [], "backward": []}
     finish = autoshard.backend._finish
 
-    def recording_finish(gm, stage, dump):
-        graphs[stage].append(finish(gm, stage, dump))
+    def recording_finish(gm, stage, *args):
+        graphs[stage].append(finish(gm, stage, *args))
         return gm
 
     monkeypatch.setattr(autoshard.backend, "_finish", recording_finish)

@@ -56,6 +56,6 @@ def test_debug_dir_holds_every_stage_as_python(tmp_path):
     model(torch.ones(1, 4)).sum().backward()
     (folder,) = (tmp_path / "rank0").iterdir()
     stages = {p.stem for p in folder.iterdir()}
-    assert stages == {"captured", "joint", "lowered", "forward", "backward"}
+    assert stages == {"captured", "joint", "lowered", "forward_bucketed", "backward_bucketed", "forward", "backward"}
     for path in folder.iterdir():
         compile(path.read_text(), str(path), "exec")  # parses as Python

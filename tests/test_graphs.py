@@ -1,4 +1,7 @@
-"""Graph shapes at world size 8 (fake process group, one process)."""
+"""Graph shapes after lowering, at world size 8 (fake process group, one process).
+
+These look at the lowered graphs as they are (schedule "none"); test_schedule.py covers
+bucketing and scheduling."""
 from __future__ import annotations
 
 import warnings
@@ -25,7 +28,7 @@ def world8():
 def _compile_step(monkeypatch, name: str, **options) -> tuple[torch.nn.Module, fx.GraphModule, fx.GraphModule]:
     model = autoshard.shard(build(name))
     with captured_graphs(monkeypatch) as graphs:
-        compiled = torch.compile(model, backend="autoshard", options={"compiler": "aot_eager", **options})
+        compiled = torch.compile(model, backend="autoshard", options={"compiler": "aot_eager", "schedule": "none", **options})
         x, y = batch(name, 0)
         compiled(x[:1], y[:1]).backward()
     (fw,), (bw,) = graphs["forward"], graphs["backward"]
@@ -98,7 +101,7 @@ def test_inference_graph_is_lowered_too(monkeypatch):
     model = autoshard.shard(build("mlp"))
     with captured_graphs(monkeypatch) as graphs, torch.no_grad():
         x, y = batch("mlp", 0)
-        torch.compile(model, backend="autoshard", options={"compiler": "aot_eager"})(x, y)
+        torch.compile(model, backend="autoshard", options={"compiler": "aot_eager", "schedule": "none"})(x, y)
     (fw,) = graphs["forward"]
     assert count(fw, "all_gather_into_tensor") == len(list(model.parameters()))
     assert count(fw, "autoshard") == 0

@@ -1,0 +1,58 @@
+"""Make sure every rank compiled the same communication plan, or fail loudly on all of them.
+
+Ranks that disagree on which collectives to issue, or in which order, hang inside the first
+mismatched collective. Passes decide only from graph structure, shapes and the cost model,
+but a rank-dependent model or input can still split them; this check turns the hang into an
+error raised on every rank.
+"""
+from __future__ import annotations
+
+import hashlib
+
+import torch.distributed as dist
+from torch import fx
+
+from ._compat import c10d
+
+_COLLECTIVES = {
+    c10d.all_gather_into_tensor.default,
+    c10d.all_gather_into_tensor_out.default,  # PyTorch's bucketer (schedule "inductor")
+    c10d.reduce_scatter_tensor.default,
+    c10d.all_reduce.default,
+}
+
+
+def plan_signature(gm: fx.GraphModule) -> str:
+    """A hash of the graph's communication plan: its collectives and waits in order, with the
+    shapes, dtypes, groups and parameters they move. Rank-independent by construction
+    (shards are padded to equal sizes before any collective)."""
+    events, index = [], {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target in _COLLECTIVES:
+            index[node] = len(index)
+            t = node.args[0].meta["val"]
+            events.append((str(node.target), tuple(t.shape), str(t.dtype), node.args[1:], node.meta.get("autoshard_params")))
+        elif node.target is c10d.wait_tensor.default and node.args[0] in index:
+            events.append(("wait", index[node.args[0]]))
+    return hashlib.sha256(repr(events).encode()).hexdigest()[:16]
+
+
+def check_ranks_agree(gm: fx.GraphModule, what: str) -> None:
+    """Exchange the plan signature with every rank; raise the same error on all if any differ."""
+    if not dist.is_initialized() or dist.get_world_size() == 1 or dist.get_backend() == "fake":
+        return
+    mine = plan_signature(gm)
+    signatures: list[str] = [""] * dist.get_world_size()
+    dist.all_gather_object(signatures, mine)
+    if len(set(signatures)) > 1:
+        groups: dict[str, list[int]] = {}
+        for rank, sig in enumerate(signatures):
+            groups.setdefault(sig, []).append(rank)
+        detail = "; ".join(f"ranks {ranks}: {sig}" for sig, ranks in sorted(groups.items(), key=lambda kv: kv[1]))
+        raise RuntimeError(
+            f"autoshard: ranks compiled different communication plans for the {what} graph ({detail}). "
+            "Running it would hang. Make every rank run the same model code with the same shapes and options "
+            "(per-rank branches or per-rank input shapes split the plan)."
+        )

@@ -1,0 +1,182 @@
+"""Bucketing: one flat collective for a group of parameters, with copy-in and copy-out."""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+from torch import fx
+
+from autoshard._compat import c10d
+
+from .graph_utils import GATHERED, PARAMS, call, collectives, exclusive_inputs, issue_inputs, nbytes, positions, reorder, val, wait_of
+
+aten = torch.ops.aten
+
+# Without repeated blocks to follow, buckets fill up to this size.
+DEFAULT_BUCKET_BYTES = 64 * 2**20
+# Parameters outside the blocks join a neighbouring block's bucket when at most this fraction
+# of it (final norms, small heads): one collective fewer for little extra memory.
+SMALL_LEFTOVER = 0.25
+
+
+def block_of(name: str) -> str | None:
+    """The repeated block a parameter belongs to: the path up to its first numeric component
+    (``blocks.3.attn.qkv.weight`` -> ``blocks.3``), or None outside any ModuleList/Sequential."""
+    parts = name.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if part.isdigit():
+            return ".".join(parts[: i + 1])
+    return None
+
+
+def _compatible(a: fx.Node, b: fx.Node) -> bool:
+    return a.target is b.target and a.args[1:] == b.args[1:] and val(a).dtype == val(b).dtype
+
+
+def _split(bucket: list[fx.Node], cap: int) -> list[list[fx.Node]]:
+    parts, size = [[]], 0
+    for node in bucket:
+        if parts[-1] and size + nbytes(node) > cap:
+            parts.append([])
+            size = 0
+        parts[-1].append(node)
+        size += nbytes(node)
+    return parts
+
+
+def plan_buckets(nodes: Sequence[fx.Node], bucket_bytes: int | None = None) -> list[list[fx.Node]]:
+    """Group collectives of one kind (in graph order) into buckets.
+
+    One bucket per repeated block (consecutive collectives of parameters in the same block);
+    a run of parameters outside any block joins the next (else the previous) block bucket
+    when it is small (at most ``SMALL_LEFTOVER`` of that bucket), else it is a bucket of its
+    own. Without blocks, consecutive collectives fill buckets up to ``bucket_bytes`` (default
+    64 MiB). With ``bucket_bytes``, larger buckets are split.
+    Only compatible collectives (same op, group, dtype) share a bucket. Deterministic: it
+    depends on names, order and sizes only.
+    """
+    runs: list[list[fx.Node]] = []
+    for node in nodes:
+        unit = block_of(node.meta[PARAMS][0])
+        if runs and _compatible(runs[-1][-1], node) and block_of(runs[-1][-1].meta[PARAMS][0]) == unit:
+            runs[-1].append(node)
+        else:
+            runs.append([node])
+    def size(run: list[fx.Node]) -> int:
+        return sum(map(nbytes, run))
+
+    is_block = [block_of(run[0].meta[PARAMS][0]) is not None for run in runs]
+    if not any(is_block):
+        cap = bucket_bytes or DEFAULT_BUCKET_BYTES
+        merged: list[list[fx.Node]] = []
+        for run in runs:
+            if merged and _compatible(merged[-1][-1], run[0]):
+                merged[-1].extend(run)
+            else:
+                merged.append(list(run))
+        return [part for bucket in merged for part in _split(bucket, cap)]
+
+    buckets = [list(r) for r in runs]
+    for i in range(len(runs)):
+        if is_block[i]:
+            continue
+        for j in (i + 1, i - 1):  # the next block first: leftovers gather with what follows them
+            if 0 <= j < len(runs) and is_block[j] and buckets[j] and _compatible(buckets[j][0], runs[i][0]):
+                if size(runs[i]) <= SMALL_LEFTOVER * size(buckets[j]):
+                    buckets[j] = (runs[i] + buckets[j]) if j > i else (buckets[j] + runs[i])
+                    buckets[i] = []
+                    break
+    order = positions(nodes)
+    result = [sorted(b, key=order.__getitem__) for b in buckets if b]
+    if bucket_bytes:
+        result = [part for bucket in result for part in _split(bucket, bucket_bytes)]
+    return result
+
+
+def _flat_view(graph: fx.Graph, x: fx.Node, shape: list[int]) -> fx.Node:
+    if not val(x).is_contiguous():
+        x = call(graph, aten.clone.default, x)
+    return call(graph, aten.view.default, x, shape)
+
+
+def _bucket_gathers(graph: fx.Graph, gathers: list[fx.Node], pos: dict[fx.Node, int], priority: dict[fx.Node, float]) -> None:
+    world, group = gathers[0].args[1:]
+    inputs = [g.args[0] for g in gathers]
+    sizes = [val(x).numel() for x in inputs]
+    total = sum(sizes)
+    with graph.inserting_before(gathers[0]):
+        flat = call(graph, aten.cat.default, [_flat_view(graph, x, [-1]) for x in inputs])
+        gather = call(graph, c10d.all_gather_into_tensor.default, flat, world, group)
+        gather.meta[PARAMS] = tuple(name for g in gathers for name in g.meta[PARAMS])
+        wait = call(graph, c10d.wait_tensor.default, gather)
+        by_rank = call(graph, aten.view.default, wait, [world, total])
+    start = pos[gathers[0]] - 0.5
+    for n in issue_inputs(flat) + [flat, gather]:
+        priority[n] = start
+    offset = 0
+    for g, x, n in zip(gathers, inputs, sizes):
+        old_wait = wait_of(g)
+        with graph.inserting_before(old_wait):
+            part = call(graph, aten.slice.Tensor, by_rank, 1, offset, offset + n)
+            copy = call(graph, aten.clone.default, part)
+            full = call(graph, aten.view.default, copy, [world * val(x).shape[0], *val(x).shape[1:]])
+        copy.meta[GATHERED] = True
+        for node in (wait, by_rank, part, copy, full):
+            priority.setdefault(node, pos[old_wait])
+        offset += n
+        old_wait.replace_all_uses_with(full)
+        graph.erase_node(old_wait)
+        graph.erase_node(g)
+
+
+def _bucket_reduces(graph: fx.Graph, reduces: list[fx.Node], pos: dict[fx.Node, int], priority: dict[fx.Node, float]) -> None:
+    op, world, group = reduces[0].args[1:]
+    last = reduces[-1]
+    with graph.inserting_before(last):
+        per_rank = [_flat_view(graph, r.args[0], [world, -1]) for r in reduces]
+        flat = call(graph, aten.view.default, call(graph, aten.cat.default, per_rank, 1), [-1])
+        reduce = call(graph, c10d.reduce_scatter_tensor.default, flat, op, world, group)
+        reduce.meta[PARAMS] = tuple(name for r in reduces for name in r.meta[PARAMS])
+        wait = call(graph, c10d.wait_tensor.default, reduce)
+    for n in exclusive_inputs(reduce) + [reduce]:
+        priority[n] = pos[last]
+    priority[wait] = pos[wait_of(last)]
+    offset = 0
+    for r in reduces:
+        shape = val(wait_of(r)).shape
+        n = math.prod(shape)
+        old_wait = wait_of(r)
+        with graph.inserting_before(old_wait):
+            part = call(graph, aten.view.default, call(graph, aten.slice.Tensor, wait, 0, offset, offset + n), list(shape))
+        priority[part] = priority[part.args[0]] = pos[wait_of(last)]
+        offset += n
+        old_wait.replace_all_uses_with(part)
+        graph.erase_node(old_wait)
+        graph.erase_node(r)
+
+
+def bucket_collectives(gm: fx.GraphModule, bucket_mb: float | None = None) -> fx.GraphModule:
+    """Replace the per-parameter all-gathers and reduce-scatters of a forward or backward
+    graph by one flat collective per bucket (see :func:`plan_buckets`).
+
+    Guarantees: numerics unchanged (gathers: shards are concatenated, gathered, and each
+    parameter copied out of the rank-major result; reduce-scatters: each gradient is laid out
+    rank-major, concatenated, reduced and sliced back); a bucket's collective sits where its
+    first member was (gathers) or its last member was (reduce-scatters), so the graph keeps
+    "gather at use, reduce at end" until a scheduling pass moves it. Copy-out nodes are
+    tagged ``meta["autoshard_gathered"]``; the collective's ``meta["autoshard_params"]``
+    lists its parameters.
+    """
+    bucket_bytes = int(bucket_mb * 2**20) if bucket_mb else None
+    graph = gm.graph
+    pos = positions(graph.nodes)  # priorities refer to the order before any rewrite
+    priority: dict[fx.Node, float] = {}
+    for op, rewrite in ((c10d.all_gather_into_tensor.default, _bucket_gathers), (c10d.reduce_scatter_tensor.default, _bucket_reduces)):
+        named = [n for n in collectives(graph, op) if PARAMS in n.meta]
+        for bucket in plan_buckets(named, bucket_bytes):
+            if len(bucket) > 1:
+                rewrite(graph, bucket, pos, priority)
+    for node in graph.nodes:
+        priority.setdefault(node, pos.get(node, 0.0))
+    return reorder(gm, priority)
