@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import fx
 from torch.distributed.tensor import DTensor
 
+from autoshard.passes.graph_utils import is_copy
 from autoshard.passes import (
     bucket_collectives,
     inductor_schedule,
@@ -84,7 +85,9 @@ def _finish(gm: fx.GraphModule, stage: str, dump: GraphDump, opts: Options) -> f
         dump.write(f"{stage}_bucketed", gm)
         schedule_overlap(gm, compute_time, comm_time, _mib(opts.max_inflight_mb))
     elif opts.schedule == "inductor":
-        inductor_schedule(gm, compute_time, comm_time)
+        # Shards are padded only on ranks whose shard is short: pricing those pads would let
+        # PyTorch's scheduler decide differently per rank. Data movement is priced at zero.
+        inductor_schedule(gm, lambda n: 0.0 if is_copy(n) else compute_time(n), comm_time)
     check_ranks_agree(gm, stage)
     dump.write(stage, gm)
     return gm

@@ -12,7 +12,7 @@ import hashlib
 import torch.distributed as dist
 from torch import fx
 
-from ._compat import c10d
+from ._compat import c10d, unset_fake_temporarily
 
 _COLLECTIVES = {
     c10d.all_gather_into_tensor.default,
@@ -45,7 +45,8 @@ def check_ranks_agree(gm: fx.GraphModule, what: str) -> None:
         return
     mine = plan_signature(gm)
     signatures: list[str] = [""] * dist.get_world_size()
-    dist.all_gather_object(signatures, mine)
+    with unset_fake_temporarily():  # the backend runs under a fake mode; this exchange is real
+        dist.all_gather_object(signatures, mine)
     if len(set(signatures)) > 1:
         groups: dict[str, list[int]] = {}
         for rank, sig in enumerate(signatures):

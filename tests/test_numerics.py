@@ -19,18 +19,20 @@ OPTIMIZERS = {
 }
 
 
-def _train_and_compare(configs: list[tuple[str, str, str]]) -> dict[tuple[str, str, str], tuple[float, float]]:
-    """On each rank: for each (model, mode, optimizer), train a sharded copy on this rank's
-    slice of every batch next to a reference on the whole batch; return the largest loss and
-    parameter differences seen over all steps."""
+def _train_and_compare(configs: list[tuple]) -> dict[tuple, tuple[float, float]]:
+    """On each rank: for each (model, mode, optimizer[, schedule]), train a sharded copy on
+    this rank's slice of every batch next to a reference on the whole batch; return the largest
+    loss and parameter differences seen over all steps."""
     rank, world = dist.get_rank(), dist.get_world_size()
     per_rank = GLOBAL_BATCH // world
     errors = {}
-    for name, mode, opt_name in configs:
+    for config in configs:
+        name, mode, opt_name, *schedule = config
+        options = {"compiler": mode, **({"schedule": schedule[0]} if schedule else {})}
         torch._dynamo.reset()
         reference = build(name)
         model = autoshard.shard(copy.deepcopy(reference))
-        run = model if mode == "uncompiled" else torch.compile(model, backend="autoshard", options={"compiler": mode})
+        run = model if mode == "uncompiled" else torch.compile(model, backend="autoshard", options=options)
         ref_opt = OPTIMIZERS[opt_name]([p for p in reference.parameters() if p.requires_grad])
         opt = OPTIMIZERS[opt_name]([p for p in model.parameters() if p.requires_grad])
         loss_err = param_err = 0.0
@@ -52,7 +54,7 @@ def _train_and_compare(configs: list[tuple[str, str, str]]) -> dict[tuple[str, s
             loss_err = max(loss_err, abs(global_loss.item() / world - ref_loss.item()))
             for (pname, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
                 param_err = max(param_err, (p.full_tensor() - q).abs().max().item())
-        errors[(name, mode, opt_name)] = (loss_err, param_err)
+        errors[config] = (loss_err, param_err)
     return errors
 
 
@@ -74,3 +76,29 @@ def test_matches_single_process(world_size: int) -> None:
         bad = {cfg: err for cfg, err in rank_errors.items() if max(err) > TOL}
         assert not bad, f"(loss error, parameter error) above {TOL}: {bad}"
         assert set(rank_errors) == set(configs)
+
+
+def test_all_schedules_train_alike():
+    """The three schedules reorder and bucket the same collectives: same numerics."""
+    configs = [(m, "aot_eager", "sgd", s) for s in ("none", "inductor", "autoshard") for m in ("gpt", "uneven")]
+    for rank_errors in run_ranks(2, _train_and_compare, configs):
+        bad = {cfg: err for cfg, err in rank_errors.items() if max(err) > TOL}
+        assert not bad, f"(loss error, parameter error) above {TOL}: {bad}"
+
+
+def _compile_with_rank_dependent_options() -> str:
+    """Rank 1 asks for other buckets, so its plan differs; every rank must get the error."""
+    rank = dist.get_rank()
+    model = autoshard.shard(build("gpt"))
+    options = {"compiler": "aot_eager", **({"bucket_mb": 0.001} if rank == 1 else {})}
+    x, y = batch("gpt", 0)
+    try:
+        torch.compile(model, backend="autoshard", options=options)(x[:2], y[:2])
+    except Exception as e:  # noqa: BLE001 - the error is the result
+        return str(e)
+    return "no error"
+
+
+def test_ranks_with_different_plans_fail_with_a_clear_error_not_a_hang():
+    for message in run_ranks(2, _compile_with_rank_dependent_options, timeout=300):
+        assert "ranks compiled different communication plans for the forward graph" in message
