@@ -15,6 +15,7 @@ from torch._functorch.aot_autograd import make_boxed_func
 import torch._inductor.fx_passes.overlap_scheduling as overlap_scheduling
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.fx_passes.memory_estimator import MemoryTracker
+from torch._inductor.utils import run_and_get_code
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 from torch.distributed.distributed_c10d import _resolve_process_group as resolve_process_group
@@ -26,6 +27,7 @@ __all__ = [
     "RUNTIME_ESTIMATION",
     "overlap_scheduling",
     "resolve_process_group",
+    "run_and_get_code",
     "aot_autograd",
     "c10d",
     "compile_fx",
