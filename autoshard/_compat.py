@@ -16,8 +16,8 @@ import torch._inductor.fx_passes.overlap_scheduling as overlap_scheduling
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.fx_passes.memory_estimator import MemoryTracker
 from torch._inductor.utils import run_and_get_code
-from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+from torch.distributed.distributed_c10d import _get_default_store as default_store
 from torch.distributed.distributed_c10d import _resolve_process_group as resolve_process_group
 from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.checkpoint import CheckpointPolicy
@@ -26,6 +26,7 @@ __all__ = [
     "MemoryTracker",
     "RUNTIME_ESTIMATION",
     "overlap_scheduling",
+    "default_store",
     "resolve_process_group",
     "run_and_get_code",
     "aot_autograd",
@@ -43,7 +44,6 @@ __all__ = [
     "TESTED_TORCH",
     "tree_leaves",
     "tree_map",
-    "unset_fake_temporarily",
 ]
 
 TESTED_TORCH = "2.13"

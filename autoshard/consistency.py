@@ -8,11 +8,17 @@ error raised on every rank.
 from __future__ import annotations
 
 import hashlib
+import itertools
+from datetime import timedelta
 
 import torch.distributed as dist
 from torch import fx
 
-from ._compat import c10d, unset_fake_temporarily
+from ._compat import c10d, default_store
+
+# Every rank numbers its exchanges alike: they follow the order in which graphs are compiled.
+_exchanges = itertools.count()
+EXCHANGE_TIMEOUT = timedelta(minutes=5)
 
 _COLLECTIVES = {
     c10d.all_gather_into_tensor.default,
@@ -40,17 +46,31 @@ def plan_signature(gm: fx.GraphModule) -> str:
 
 
 def check_ranks_agree(gm: fx.GraphModule, what: str) -> None:
-    """Exchange the plan signature with every rank; raise the same error on all if any differ."""
+    """Exchange the plan signature with every rank; raise the same error on all if any differ.
+
+    The exchange goes through the process group's key-value store, not a collective: it runs
+    inside the compiler, and a store lookup cannot interleave with the graph's collectives.
+    """
     if not dist.is_initialized() or dist.get_world_size() == 1 or dist.get_backend() == "fake":
         return
-    mine = plan_signature(gm)
-    signatures: list[str] = [""] * dist.get_world_size()
-    with unset_fake_temporarily():  # the backend runs under a fake mode; this exchange is real
-        dist.all_gather_object(signatures, mine)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    key = f"autoshard/plan/{next(_exchanges)}"
+    store = default_store()
+    store.set(f"{key}/{rank}", plan_signature(gm))
+    keys = [f"{key}/{r}" for r in range(world)]
+    try:
+        store.wait(keys, EXCHANGE_TIMEOUT)
+    except RuntimeError as e:
+        raise RuntimeError(
+            f"autoshard: not every rank compiled a {what} graph within {EXCHANGE_TIMEOUT}; ranks are compiling "
+            "different graphs (a graph break or recompilation on some ranks only?). Make every rank run the same "
+            "model code with the same shapes and options."
+        ) from e
+    signatures = [store.get(k).decode() for k in keys]
     if len(set(signatures)) > 1:
         groups: dict[str, list[int]] = {}
-        for rank, sig in enumerate(signatures):
-            groups.setdefault(sig, []).append(rank)
+        for r, sig in enumerate(signatures):
+            groups.setdefault(sig, []).append(r)
         detail = "; ".join(f"ranks {ranks}: {sig}" for sig, ranks in sorted(groups.items(), key=lambda kv: kv[1]))
         raise RuntimeError(
             f"autoshard: ranks compiled different communication plans for the {what} graph ({detail}). "
