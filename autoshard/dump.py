@@ -1,20 +1,41 @@
-"""Write a compiled graph's stages as Python code, for people to read."""
+"""Keep a compiled graph's stages: as Python code in a folder, for people to read, and in
+memory while :func:`recording`, for tools and tests."""
 from __future__ import annotations
 
+import contextlib
+import copy
 import itertools
 import os
 from pathlib import Path
+from typing import Iterator
 
 import torch.distributed as dist
 from torch import fx
 
 _graph_ids = itertools.count()
+_recordings: list[list[dict[str, fx.GraphModule]]] = []
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list[dict[str, fx.GraphModule]]]:
+    """Collect, for each graph the backend compiles meanwhile, a copy of every stage it writes
+    (``captured``, ``joint``, ``lowered``, ``forward_bucketed``, ``forward``, ...)."""
+    graphs: list[dict[str, fx.GraphModule]] = []
+    _recordings.append(graphs)
+    try:
+        yield graphs
+    finally:
+        _recordings.remove(graphs)
 
 
 class GraphDump:
-    """Writes ``<debug_dir>/rank<r>/graph<i>/<stage>.py``; does nothing without a debug_dir."""
+    """Writes ``<debug_dir>/rank<r>/graph<i>/<stage>.py`` (nothing without a debug_dir) and
+    records copies of the stages while :func:`recording` is active."""
 
     def __init__(self, debug_dir: str | None) -> None:
+        self.stages: dict[str, fx.GraphModule] = {}
+        for graphs in _recordings:
+            graphs.append(self.stages)
         self.folder = None
         if debug_dir:
             rank = dist.get_rank() if dist.is_initialized() else 0
@@ -22,6 +43,8 @@ class GraphDump:
             os.makedirs(self.folder, exist_ok=True)
 
     def write(self, stage: str, gm: fx.GraphModule) -> None:
+        if _recordings:  # a copy: later passes and Inductor change graphs in place
+            self.stages[stage] = fx.GraphModule(gm, copy.deepcopy(gm.graph))
         if self.folder is not None:
             code = gm.print_readable(print_output=False, include_stride=True, include_device=True)
             (self.folder / f"{stage}.py").write_text(code)

@@ -5,12 +5,11 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator
 
-import pytest
 import torch.distributed as dist
 from torch import fx
 
-import autoshard.backend
 from autoshard._compat import fake_process_group
+from autoshard.dump import recording
 
 
 @contextlib.contextmanager
@@ -22,18 +21,21 @@ def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
         dist.destroy_process_group()
 
 
+class _ByStage:
+    """``graphs["forward"]``: the copies of that stage recorded so far, in compile order."""
+
+    def __init__(self, compiled: list[dict[str, fx.GraphModule]]) -> None:
+        self.compiled = compiled
+
+    def __getitem__(self, stage: str) -> list[fx.GraphModule]:
+        return [stages[stage] for stages in self.compiled if stage in stages]
+
+
 @contextlib.contextmanager
-def captured_graphs(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, list[fx.GraphModule]]]:
-    """Collect each graph the backend hands to its inner compiler, by stage."""
-    graphs: dict[str, list[fx.GraphModule]] = {"forward": [], "backward": []}
-    finish = autoshard.backend._finish
-
-    def recording_finish(gm, stage, *args):
-        graphs[stage].append(finish(gm, stage, *args))
-        return gm
-
-    monkeypatch.setattr(autoshard.backend, "_finish", recording_finish)
-    yield graphs
+def captured_graphs() -> Iterator[_ByStage]:
+    """The graphs the backend compiles meanwhile, by stage (``forward``, ``backward``, ...)."""
+    with recording() as compiled:
+        yield _ByStage(compiled)
 
 
 def count(gm: fx.GraphModule, op_name: str) -> int:

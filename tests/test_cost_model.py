@@ -43,7 +43,7 @@ def gpt():
         key = tuple(sorted(options.items()))
         if key not in compiled:
             torch._dynamo.reset()
-            with fake_world(WORLD), pytest.MonkeyPatch.context() as mp, captured_graphs(mp) as graphs:
+            with fake_world(WORLD), captured_graphs() as graphs:
                 model = autoshard.shard(build("gpt"))
                 x, y = batch("gpt", 0)
                 torch.compile(model, backend="autoshard", options={"compiler": "aot_eager", **options})(

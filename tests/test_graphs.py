@@ -25,9 +25,9 @@ def world8():
         yield
 
 
-def _compile_step(monkeypatch, name: str, **options) -> tuple[torch.nn.Module, fx.GraphModule, fx.GraphModule]:
+def _compile_step(name: str, **options) -> tuple[torch.nn.Module, fx.GraphModule, fx.GraphModule]:
     model = autoshard.shard(build(name))
-    with captured_graphs(monkeypatch) as graphs:
+    with captured_graphs() as graphs:
         compiled = torch.compile(model, backend="autoshard", options={"compiler": "aot_eager", "schedule": "none", **options})
         x, y = batch(name, 0)
         compiled(x[:1], y[:1]).backward()
@@ -50,35 +50,35 @@ def _saved_gathers(fw: fx.GraphModule) -> list[fx.Node]:
 
 
 @pytest.mark.parametrize("name", ["gpt", "mlp"])
-def test_one_gather_per_parameter_and_one_reduce_per_gradient(monkeypatch, name):
-    model, fw, bw = _compile_step(monkeypatch, name)
+def test_one_gather_per_parameter_and_one_reduce_per_gradient(name):
+    model, fw, bw = _compile_step(name)
     params = list(model.parameters())  # tied weights appear once
     assert count(fw, "all_gather_into_tensor") == len(params)
     assert count(bw, "reduce_scatter_tensor") == len(params)
     assert count(fw, "reduce_scatter") == count(bw, "all_reduce") == 0
 
 
-def test_reshard_after_forward_regathers_in_backward_and_saves_no_full_parameter(monkeypatch):
-    _, fw, bw = _compile_step(monkeypatch, "gpt")
+def test_reshard_after_forward_regathers_in_backward_and_saves_no_full_parameter():
+    _, fw, bw = _compile_step("gpt")
     assert count(bw, "all_gather_into_tensor") > 0
     assert _saved_gathers(fw) == []
 
 
-def test_without_reshard_the_forward_keeps_gathered_parameters(monkeypatch):
-    _, fw, bw = _compile_step(monkeypatch, "gpt", reshard_after_forward=False)
+def test_without_reshard_the_forward_keeps_gathered_parameters():
+    _, fw, bw = _compile_step("gpt", reshard_after_forward=False)
     assert count(bw, "all_gather_into_tensor") == 0
     assert len(_saved_gathers(fw)) > 0
 
 
-def test_frozen_parameters_are_gathered_never_reduced(monkeypatch):
-    model, fw, bw = _compile_step(monkeypatch, "frozen")
+def test_frozen_parameters_are_gathered_never_reduced():
+    model, fw, bw = _compile_step("frozen")
     params = list(model.parameters())
     assert count(fw, "all_gather_into_tensor") == len(params)
     assert count(bw, "reduce_scatter_tensor") == sum(p.requires_grad for p in params)
 
 
-def test_uneven_and_scalar_parameters(monkeypatch):
-    model, fw, bw = _compile_step(monkeypatch, "uneven")
+def test_uneven_and_scalar_parameters():
+    model, fw, bw = _compile_step("uneven")
     params = list(model.parameters())
     assert count(fw, "all_gather_into_tensor") == sum(p.dim() > 0 for p in params)
     assert count(bw, "reduce_scatter_tensor") == sum(p.dim() > 0 for p in params)
@@ -97,9 +97,9 @@ def test_unsharded_trainable_parameters_warn_once():
         torch.compile(build("mlp"), backend="autoshard", options={"compiler": "aot_eager"})(x, y)
 
 
-def test_inference_graph_is_lowered_too(monkeypatch):
+def test_inference_graph_is_lowered_too():
     model = autoshard.shard(build("mlp"))
-    with captured_graphs(monkeypatch) as graphs, torch.no_grad():
+    with captured_graphs() as graphs, torch.no_grad():
         x, y = batch("mlp", 0)
         torch.compile(model, backend="autoshard", options={"compiler": "aot_eager", "schedule": "none"})(x, y)
     (fw,) = graphs["forward"]

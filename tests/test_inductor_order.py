@@ -30,8 +30,8 @@ def _code_events(code: str) -> list[str]:
 
 def _placement(events: list[str]) -> list[tuple[str, int]]:
     """Each collective issue or wait with the number of matmuls before it, sorted: where
-    communication sits relative to compute (Inductor may swap two adjacent collectives, e.g.
-    issue the next gather after the wait beside it when it fuses their copy kernels)."""
+    communication sits relative to compute. (Inductor may swap two adjacent collectives, e.g.
+    issue the next gather after the wait beside it when it fuses their copy kernels.)"""
     placed, matmuls = [], 0
     for event in events:
         if event == "matmul":
@@ -41,9 +41,9 @@ def _placement(events: list[str]) -> list[tuple[str, int]]:
     return sorted(placed)
 
 
-def test_generated_code_keeps_the_scheduled_order(monkeypatch):
+def test_generated_code_keeps_the_scheduled_order():
     torch._dynamo.reset()
-    with fake_world(8), captured_graphs(monkeypatch) as graphs:
+    with fake_world(8), captured_graphs() as graphs:
         torch.manual_seed(0)
         model = autoshard.shard(GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=3, n_head=2, n_embd=32)))
         x = torch.randint(0, 64, (1, 16))
@@ -52,4 +52,8 @@ def test_generated_code_keeps_the_scheduled_order(monkeypatch):
     for gm, code in ((graphs["forward"][0], fw_code), (graphs["backward"][0], bw_code)):
         expected = _fx_events(gm)
         assert expected.count("all_gather_into_tensor") >= 2  # something was scheduled
-        assert _placement(_code_events(code)) == _placement(expected)
+        got, planned = _placement(_code_events(code)), _placement(expected)
+        assert [kind for kind, _ in got] == [kind for kind, _ in planned]
+        # Inductor's fusion groups can move one matmul across a collective; its own reordering
+        # (off for scheduled graphs) sinks a gather past a whole block, 4 matmuls here.
+        assert all(abs(g - p) <= 1 for (_, g), (_, p) in zip(got, planned)), (got, planned)

@@ -33,7 +33,7 @@ def captured():
     """The final forward and backward graphs of one training step; the fake world stays up
     for the module because the pass asks the process group for its size."""
     torch._dynamo.reset()
-    with pytest.MonkeyPatch.context() as mp, fake_world(WORLD), captured_graphs(mp) as graphs:
+    with fake_world(WORLD), captured_graphs() as graphs:
         torch.manual_seed(0)
         model = autoshard.shard(GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=2, n_embd=32)))
         # schedule "none": the lowered graphs, before any bucketing or reordering.

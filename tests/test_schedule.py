@@ -23,12 +23,12 @@ def _gpt12() -> GPT:
     return GPT(GPTConfig(vocab_size=256, block_size=32, n_layer=LAYERS, n_head=4, n_embd=64))
 
 
-def _compile(monkeypatch, schedule: str = "autoshard", **options) -> tuple[fx.GraphModule, fx.GraphModule]:
+def _compile(schedule: str = "autoshard", **options) -> tuple[fx.GraphModule, fx.GraphModule]:
     """(forward, backward) of the 12-layer GPT compiled at world size 8 (cached per options)."""
     key = (schedule, tuple(sorted(options.items())))
     if key not in _cache:
         torch._dynamo.reset()
-        with fake_world(WORLD), captured_graphs(monkeypatch) as graphs:
+        with fake_world(WORLD), captured_graphs() as graphs:
             model = autoshard.shard(_gpt12())
             idx = torch.randint(0, 256, (1, 32))
             opts = {"compiler": "aot_eager", "schedule": schedule, "profile": "h100", **options}
@@ -51,24 +51,24 @@ def _by_block(gm: fx.GraphModule, op) -> dict[int, fx.Node]:
     return {b: n for n in collectives(gm.graph, op) for b in _block(n)}
 
 
-def test_one_gather_per_block_plus_leftovers(monkeypatch):
-    fw, bw = _compile(monkeypatch)
+def test_one_gather_per_block_plus_leftovers():
+    fw, bw = _compile()
     gathers = collectives(fw.graph, c10d.all_gather_into_tensor.default)
     assert len(gathers) <= LAYERS + 2
     assert all(len(_block(g)) <= 1 for g in gathers)  # a bucket never spans two blocks
     assert len(collectives(bw.graph, c10d.reduce_scatter_tensor.default)) <= LAYERS + 2
 
 
-def test_forward_gathers_are_issued_before_the_previous_blocks_compute(monkeypatch):
-    fw, _ = _compile(monkeypatch)
+def test_forward_gathers_are_issued_before_the_previous_blocks_compute():
+    fw, _ = _compile()
     order = {n: i for i, n in enumerate(fw.graph.nodes)}
     gathers = _by_block(fw, c10d.all_gather_into_tensor.default)
     for k in range(1, LAYERS):
         assert order[gathers[k]] < _first_use(gathers[k - 1], order), f"block {k}"
 
 
-def test_backward_prefetches_and_reduces_early(monkeypatch):
-    _, bw = _compile(monkeypatch)
+def test_backward_prefetches_and_reduces_early():
+    _, bw = _compile()
     order = {n: i for i, n in enumerate(bw.graph.nodes)}
     gathers = _by_block(bw, c10d.all_gather_into_tensor.default)
     reduces = _by_block(bw, c10d.reduce_scatter_tensor.default)
@@ -80,30 +80,30 @@ def test_backward_prefetches_and_reduces_early(monkeypatch):
         assert order[reduces[k]] < _first_use(gathers[k - 1], order), f"block {k}"
 
 
-def test_gathered_bytes_stay_within_the_bound(monkeypatch):
-    unbounded = analyze(*_compile(monkeypatch), "h100").peak_gathered_bytes
+def test_gathered_bytes_stay_within_the_bound():
+    unbounded = analyze(*_compile(), "h100").peak_gathered_bytes
     bound_mb = 0.85 * unbounded / 2**20
-    fw, bw = _compile(monkeypatch, max_inflight_mb=bound_mb)
+    fw, bw = _compile(max_inflight_mb=bound_mb)
     bounded = analyze(fw, bw, "h100").peak_gathered_bytes
     assert bounded <= bound_mb * 2**20 < unbounded
 
 
-def test_a_bound_too_small_for_any_schedule_is_a_clear_error(monkeypatch):
+def test_a_bound_too_small_for_any_schedule_is_a_clear_error():
     with pytest.raises(Exception, match=r"max_inflight_mb=0\.010 is below the .* MiB of gathered parameters"):
-        _compile(monkeypatch, max_inflight_mb=0.01)
+        _compile(max_inflight_mb=0.01)
 
 
-def test_autoshard_exposes_less_communication_than_the_baselines(monkeypatch):
-    exposed = {s: analyze(*_compile(monkeypatch, s), "h100").exposed_comm for s in ("none", "inductor", "autoshard")}
+def test_autoshard_exposes_less_communication_than_the_baselines():
+    exposed = {s: analyze(*_compile(s), "h100").exposed_comm for s in ("none", "inductor", "autoshard")}
     assert exposed["autoshard"] < exposed["none"]
     assert exposed["autoshard"] <= exposed["inductor"]
 
 
-def test_plan_signature_ignores_rank_dependent_padding(monkeypatch):
+def test_plan_signature_ignores_rank_dependent_padding():
     signatures = []
     for rank in (0, WORLD - 1):  # "uneven" pads shards on the last ranks only
         torch._dynamo.reset()
-        with fake_world(WORLD, rank), captured_graphs(monkeypatch) as graphs:
+        with fake_world(WORLD, rank), captured_graphs() as graphs:
             model = autoshard.shard(build("uneven"))
             torch.compile(model, backend="autoshard", options={"compiler": "aot_eager"})(torch.randn(2, 16), torch.randn(2, 1))
         signatures.append(plan_signature(graphs["forward"][0]))
