@@ -6,6 +6,7 @@ import contextlib
 import copy
 import itertools
 import os
+import warnings
 from pathlib import Path
 from typing import Iterator
 
@@ -44,7 +45,9 @@ class GraphDump:
 
     def write(self, stage: str, gm: fx.GraphModule) -> None:
         if _recordings:  # a copy: later passes and Inductor change graphs in place
-            self.stages[stage] = fx.GraphModule(gm, copy.deepcopy(gm.graph))
+            with warnings.catch_warnings():  # copying a graph's pytree specs warns of a deprecation inside torch
+                warnings.simplefilter("ignore", FutureWarning)
+                self.stages[stage] = fx.GraphModule(gm, copy.deepcopy(gm.graph))
         if self.folder is not None:
             code = gm.print_readable(print_output=False, include_stride=True, include_device=True)
             (self.folder / f"{stage}.py").write_text(code)

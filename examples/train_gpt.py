@@ -73,11 +73,12 @@ def train(args: argparse.Namespace) -> None:
 
     shard_bytes = sum(p.to_local().nbytes for p in model.parameters())
     state_bytes = sum(t.to_local().nbytes for s in optimizer.state.values() for t in s.values() if t.dim() > 0)
-    print(
-        f"rank {rank}: parameter shard {shard_bytes / 1e3:.1f} kB of {full_bytes / 1e3:.1f} kB "
-        f"({shard_bytes / full_bytes:.3f}), optimizer state {state_bytes / 1e3:.1f} kB",
-        flush=True,
-    )
+    per_rank = [torch.zeros(2, dtype=torch.long, device=device) for _ in range(world)]
+    dist.all_gather(per_rank, torch.tensor([shard_bytes, state_bytes], device=device))
+    if rank == 0:  # one writer: lines from several processes would interleave
+        for r, (shard, state) in enumerate(t.tolist() for t in per_rank):
+            print(f"rank {r}: parameter shard {shard / 1e3:.1f} kB of {full_bytes / 1e3:.1f} kB "
+                  f"({shard / full_bytes:.3f}), optimizer state {state / 1e3:.1f} kB", flush=True)
 
 
 def _spawned(rank: int, world: int, init_file: str, args: argparse.Namespace) -> None:
