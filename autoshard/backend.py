@@ -1,8 +1,9 @@
-"""The ``autoshard`` torch.compile backend: capture -> lower -> inner compile.
+"""The ``autoshard`` torch.compile backend: capture -> lower -> bucket -> schedule -> inner compile.
 
-Dynamo hands us the captured graph; AOT autograd builds the joint forward+backward graph, where the annotation ops are lowered
-to collectives and gathers are tagged for recompute; the partitioned forward and backward
-graphs (min-cut partitioner, which honours the recompute tags) then go to the inner compiler.
+Dynamo hands us the captured graph; AOT autograd builds the joint forward+backward graph,
+where the annotation ops are lowered to collectives and gathers are tagged for recompute.
+The partitioner (min-cut, which honours the tags) splits it; each partitioned graph is then
+bucketed and scheduled, checked against the other ranks' plans, and inner-compiled.
 """
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ import torch.distributed as dist
 from torch import fx
 from torch.distributed.tensor import DTensor
 
-from autoshard.passes.graph_utils import is_copy
 from autoshard.passes import (
     bucket_collectives,
     inductor_schedule,
@@ -23,6 +23,7 @@ from autoshard.passes import (
     merge_shared_parameters,
     schedule_overlap,
 )
+from autoshard.passes.graph_utils import is_copy
 
 from ._compat import (
     aot_autograd,
