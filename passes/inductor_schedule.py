@@ -13,12 +13,10 @@ import functools
 from typing import Any, Callable, Iterator
 from unittest import mock
 
-import torch
 from torch import fx
 
-from autoshard._compat import RUNTIME_ESTIMATION, MemoryTracker, inductor_config, overlap_scheduling
+from autoshard._compat import RUNTIME_ESTIMATION, MemoryTracker, c10d, inductor_config, overlap_scheduling
 
-c10d = torch.ops._c10d_functional
 
 # PyTorch evaluates its roofline for every compute node even when our estimate replaces it;
 # these stand in for the GPU figures it would read through Triton. Their values are unused.
