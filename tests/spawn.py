@@ -1,6 +1,7 @@
 """Run a function on N gloo ranks in fresh processes and collect what each returns."""
 from __future__ import annotations
 
+import faulthandler
 import os
 import tempfile
 from typing import Any, Callable
@@ -11,6 +12,7 @@ import torch.multiprocessing as mp
 
 
 def _entry(rank: int, world_size: int, init_file: str, out_dir: str, fn: Callable, args: tuple) -> None:
+    faulthandler.enable()  # a rank that crashes (SIGSEGV) prints where
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
         result = fn(*args)
