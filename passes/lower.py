@@ -7,7 +7,7 @@ from torch import fx
 from autoshard._compat import c10d, must_recompute
 from autoshard.ops import chunk_rows
 
-from .graph_utils import PARAMS, call, is_op, val
+from .graph_utils import PARAMS, call, is_op, is_view, val
 
 aten = torch.ops.aten
 annotations = torch.ops.autoshard
@@ -67,10 +67,7 @@ def _view_chain(node: fx.Node) -> list[fx.Node]:
     chain, todo = [], list(node.users)
     while todo:
         user = todo.pop()
-        target = user.target
-        if user.op == "call_function" and (
-            getattr(target, "is_view", False) or target is torch.ops.prims.convert_element_type.default
-        ):
+        if is_view(user) or user.target is torch.ops.prims.convert_element_type.default:
             chain.append(user)
             todo.extend(user.users)
     return chain

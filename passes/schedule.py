@@ -88,7 +88,7 @@ def schedule_overlap(
             priority[n] = g.first_use - 0.25  # after any issue placed at the same point
 
     end = float(len(pos))
-    for j, (issue, outputs) in enumerate(zip(reduce_issue, reduce_outputs)):
+    for issue in reduce_issue:
         ready = max((pos[a] for n in issue for a in n.all_input_nodes if a not in issue), default=0)
         for n in issue:
             priority[n] = ready + 0.5
