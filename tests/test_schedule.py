@@ -108,3 +108,18 @@ def test_plan_signature_ignores_rank_dependent_padding():
             torch.compile(model, backend="autoshard", options={"compiler": "aot_eager"})(torch.randn(2, 16), torch.randn(2, 1))
         signatures.append(plan_signature(graphs["forward"][0]))
     assert signatures[0] == signatures[1]
+
+
+def test_a_meta_model_compiles_and_every_gather_is_used():
+    """Shape-only (meta) models compile, so large shapes need no memory; a big tied embedding
+    forms its own bucket, kept gathered into the backward, which must not gather it again."""
+    torch._dynamo.reset()
+    with fake_world(WORLD), captured_graphs() as graphs:
+        with torch.device("meta"):
+            model = autoshard.shard(GPT(GPTConfig(vocab_size=8192, block_size=32, n_layer=2, n_head=4, n_embd=64)))
+        idx = torch.zeros(1, 32, dtype=torch.long, device="meta")
+        torch.compile(model, backend="autoshard", options={"compiler": "aot_eager", "profile": "h100"})(idx, idx).backward()
+    for gm in (graphs["forward"][0], graphs["backward"][0]):
+        for gather in collectives(gm.graph, c10d.all_gather_into_tensor.default):
+            outputs = outputs_of(wait_of(gather))
+            assert any(u not in outputs for o in outputs for u in o.users), gather.meta[PARAMS]
