@@ -1,7 +1,9 @@
-"""Static analysis of one training step from its final forward and backward graphs.
+"""The step simulator: one training step played from its final forward and backward graphs.
 
-Simulates the step on one compute stream and one communication stream with
-:mod:`autoshard.cost_model`, and tracks per-rank memory by liveness of tensor storages.
+Compute runs on one stream; each process group has its own communication stream. Durations
+come from :mod:`autoshard.cost_model`; memory is tracked per rank by liveness of tensor
+storages. Works on graphs compiled under the fake process group with fake or meta tensors,
+so any world size and model size can be simulated without their memory.
 """
 from __future__ import annotations
 
@@ -10,17 +12,10 @@ from dataclasses import dataclass, field
 
 from torch import fx
 
+from autoshard.passes.graph_utils import GATHERED, PARAMS
+
 from ._compat import c10d
-from .cost_model import (
-    COLLECTIVE_KINDS,
-    DeviceProfile,
-    collective_of,
-    collective_time,
-    get_profile,
-    is_alias,
-    node_time,
-    tensor_bytes,
-)
+from .cost_model import COLLECTIVE_KINDS, DeviceProfile, collective_of, collective_time, get_profile, is_alias, node_time, tensor_bytes
 
 _wait = c10d.wait_tensor.default
 _all_gathers = (c10d.all_gather_into_tensor.default, c10d.all_gather_into_tensor_coalesced.default)
@@ -28,34 +23,50 @@ _all_gathers = (c10d.all_gather_into_tensor.default, c10d.all_gather_into_tensor
 
 @dataclass(frozen=True)
 class Event:
-    """One interval on a lane ("compute" or "comm"); stage is "forward" or "backward"
-    (node names repeat across the two graphs)."""
+    """One interval on a lane: "compute", or "comm:<group>" for a process group's stream.
+
+    stage is "forward" or "backward" (node names repeat across the two graphs); a collective
+    carries its kind, full-buffer bytes and the parameters it moves (empty if unknown).
+    """
 
     lane: str
     name: str
     start: float
     end: float
     stage: str
+    kind: str = "compute"
+    nbytes: int = 0
+    params: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
 class StepAnalysis:
     """Predicted time (seconds) and memory (bytes per rank) of one training step.
 
-    Guaranteed (up to float rounding): ``max(compute_time, comm_time) <= step_time <=
-    compute_time + comm_time``, ``0 <= exposed_comm <= comm_time``, ``0 <= overlap_ratio <= 1``.
-    ``timeline`` holds every collective and every compute node of nonzero time, in program order.
+    Guaranteed (up to float rounding): ``max(compute_time, max(comm_by_group)) <= step_time <=
+    compute_time + comm_time``, ``0 <= exposed_comm <= comm_time``, ``0 <= overlap_ratio <= 1``,
+    ``step_lower_bound <= step_time``. ``timeline`` holds every collective and every compute node
+    of nonzero time, in program order; ``memory_curve`` the live bytes after each node starts.
     """
 
     step_time: float
     compute_time: float  # sum of compute node times
-    comm_time: float  # sum of collective durations
+    comm_time: float  # sum of collective durations, all groups
+    comm_by_group: dict[str, float]  # busy time of each process group's stream
     exposed_comm: float  # step_time - compute_time: communication nothing hid
     overlap_ratio: float  # hidden / total communication; 1.0 without communication
     comm_bytes: dict[str, int]  # per collective kind, full-buffer convention of collective_time
     peak_bytes: int  # peak of live tensor storages
     peak_gathered_bytes: int  # peak of live gathered-parameter storages
+    # No order of the same nodes beats this: compute, plus the shortest forward gather before
+    # any compute that needs a parameter, plus the shortest backward reduction after the last
+    # compute feeding one (less any compute free to run meanwhile); or the busiest comm stream.
+    step_lower_bound: float
+    # What an ideal ZeRO-3 schedule holds at the end of forward: the inputs (parameter shards,
+    # batch), the activations saved for backward and the largest gathered unit.
+    memory_lower_bound: int
     timeline: list[Event] = field(repr=False)
+    memory_curve: list[tuple[float, int]] = field(repr=False)
 
 
 def _saved_sources(forward: fx.GraphModule, backward: fx.GraphModule | None) -> dict[fx.Node, fx.Node]:
@@ -88,20 +99,26 @@ def _issuer(node: fx.Node, sources: dict[fx.Node, fx.Node]) -> fx.Node:
 
 
 def _simulate(order: list[tuple[str, fx.Node]], sources: dict[fx.Node, fx.Node], profile: DeviceProfile) -> dict:
-    clock = comm_free = compute_time = comm_time = 0.0
+    clock = compute_time = 0.0
+    stream_free: dict[str, float] = {}  # per process group
+    busy: dict[str, float] = {}
     ends: dict[fx.Node, float] = {}
     comm_bytes = dict.fromkeys(COLLECTIVE_KINDS, 0)
     timeline: list[Event] = []
+    starts: list[float] = []  # compute clock when each node of ``order`` starts
     for stage, node in order:
+        starts.append(clock)
         collective = collective_of(node)
         if collective is not None:
-            kind, nbytes, group_size = collective
-            # Issued when compute reaches it; the single comm stream runs collectives in order.
-            start = max(clock, comm_free)
-            comm_free = ends[node] = start + collective_time(kind, nbytes, group_size, profile)
-            comm_time += comm_free - start
+            kind, nbytes, group, ranks = collective
+            # Issued when compute reaches it; each group's stream runs its collectives in order.
+            start = max(clock, stream_free.get(group, 0.0))
+            duration = collective_time(kind, nbytes, ranks, profile)
+            stream_free[group] = ends[node] = start + duration
+            busy[group] = busy.get(group, 0.0) + duration
             comm_bytes[kind] += nbytes
-            timeline.append(Event("comm", node.name, start, comm_free, stage))
+            params = tuple(node.meta.get(PARAMS, ()))
+            timeline.append(Event(f"comm:{group}", node.name, start, start + duration, stage, kind, nbytes, params))
         elif node.op == "call_function" and node.target is _wait:
             clock = max(clock, ends.get(_issuer(node.args[0], sources), 0.0))
         elif duration := node_time(node, profile):
@@ -109,19 +126,22 @@ def _simulate(order: list[tuple[str, fx.Node]], sources: dict[fx.Node, fx.Node],
             clock += duration
             compute_time += duration
     # A collective nobody waits for still has to finish within the step.
-    step_time = max(clock, comm_free)
+    step_time = max([clock, *stream_free.values()])
+    comm_time = sum(busy.values())
     exposed = step_time - compute_time
-    # exposed <= comm_time holds exactly (compute only stalls while the comm stream is busy);
+    # exposed <= comm_time holds exactly (compute only stalls while a comm stream is busy);
     # the clamp only absorbs rounding.
     overlap = 1.0 if comm_time == 0 else min(1.0, max(0.0, (comm_time - exposed) / comm_time))
     return dict(
         step_time=step_time,
         compute_time=compute_time,
         comm_time=comm_time,
+        comm_by_group=busy,
         exposed_comm=exposed,
         overlap_ratio=overlap,
         comm_bytes=comm_bytes,
         timeline=timeline,
+        starts=starts,
     )
 
 
@@ -130,15 +150,16 @@ def _element_values(node: fx.Node) -> list:
     return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
-def _peaks(order: list[tuple[str, fx.Node]], sources: dict[fx.Node, fx.Node], has_backward: bool) -> tuple[int, int]:
-    """Peak live bytes and peak live gathered bytes, by storage liveness in program order.
+def _memory(order: list[tuple[str, fx.Node]], sources: dict[fx.Node, fx.Node], has_backward: bool) -> dict:
+    """Live bytes after each node allocates, their peak, the gathered peak, and the bytes of
+    the inputs and of the (non-gathered) activations saved for backward.
 
     A storage is allocated when its node runs and freed after its last use through any
     alias. Views, getitem and wait_tensor alias their input; a backward placeholder aliases
     the saved forward value it receives. Pinned until the end of the step: forward
     placeholders (owned by the caller: parameter shards, the batch), forward user outputs
     and backward outputs (gradients). Gathered storages: all-gather outputs and the storage
-    of any node tagged ``meta["autoshard_gathered"]`` (bucket copy-outs).
+    of any node tagged ``meta[GATHERED]`` (bucket copy-outs).
     """
     end = len(order)
     size: list[int] = []
@@ -163,6 +184,7 @@ def _peaks(order: list[tuple[str, fx.Node]], sources: dict[fx.Node, fx.Node], ha
                 last_use[s] = max(last_use[s], pos)
 
     saved = set(sources.values())
+    inputs: set[int] = set()
     for pos, (stage, node) in enumerate(order):
         base = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
         base_storages = storages.get(base, [])
@@ -174,7 +196,7 @@ def _peaks(order: list[tuple[str, fx.Node]], sources: dict[fx.Node, fx.Node], ha
             storages[node] = [base_storages[0]] * len(_element_values(node))
         elif node.op != "output":
             storages[node] = allocate(node, pos)
-        if node.op == "call_function" and (node.target in _all_gathers or node.meta.get("autoshard_gathered")):
+        if node.op == "call_function" and (node.target in _all_gathers or node.meta.get(GATHERED)):
             for s in storages[node]:
                 gathered[s] = True
         use(node.all_input_nodes, pos)
@@ -185,12 +207,14 @@ def _peaks(order: list[tuple[str, fx.Node]], sources: dict[fx.Node, fx.Node], ha
         pinned: list[fx.Node] = []
         if node.op == "placeholder" and stage == "forward":
             pinned = [node]
+            inputs.update(storages[node])
         elif node.op == "output":
             pinned = node.all_input_nodes
             if stage == "forward" and has_backward:
                 pinned = [n for n in pinned if n not in saved]
         use(pinned, end)
 
+    saved_storages = {s for n in saved for s in storages.get(n, ()) if not gathered[s]} - inputs
     alloc = [0] * (end + 1)
     alloc_gathered = [0] * (end + 1)
     free = [0] * (end + 1)
@@ -201,30 +225,81 @@ def _peaks(order: list[tuple[str, fx.Node]], sources: dict[fx.Node, fx.Node], ha
         if gathered[s]:
             alloc_gathered[alloc_at[s]] += nbytes
             free_gathered[last_use[s]] += nbytes
-    return _peak(alloc, free), _peak(alloc_gathered, free_gathered)
+    live = _live(alloc, free)
+    return dict(
+        live=live[:end],
+        peak=max(live),
+        peak_gathered=max(_live(alloc_gathered, free_gathered)),
+        input_bytes=sum(size[s] for s in inputs),
+        saved_bytes=sum(size[s] for s in saved_storages),
+    )
 
 
-def _peak(alloc: list[int], free: list[int]) -> int:
-    # At each position a node's outputs and inputs are live together: allocate, then measure, then free.
-    live = peak = 0
+def _live(alloc: list[int], free: list[int]) -> list[int]:
+    # At each position a node's outputs and inputs are live together: allocate, measure, free.
+    live, curve = 0, []
     for added, removed in zip(alloc, free):
         live += added
-        peak = max(peak, live)
+        curve.append(live)
         live -= removed
-    return peak
+    return curve
+
+
+def _free_compute(gm: fx.GraphModule, profile: DeviceProfile, *, after_collectives: bool) -> float:
+    """Compute time of ``gm``'s nodes unrelated to its collectives: not depending on any
+    (``after_collectives=False``: what can run before the first gather lands) or not feeding
+    any (``after_collectives=True``: what can run while the last reduction is on the wire)."""
+    nodes = list(gm.graph.nodes)
+    tied: set[fx.Node] = set()
+    if after_collectives:
+        for node in reversed(nodes):
+            if collective_of(node) is not None or any(u in tied for u in node.users):
+                tied.add(node)
+    else:
+        for node in nodes:
+            if collective_of(node) is not None or any(a in tied for a in node.all_input_nodes):
+                tied.add(node)
+    return sum(node_time(n, profile) for n in nodes if n not in tied)
+
+
+def _step_lower_bound(forward: fx.GraphModule, backward: fx.GraphModule | None, sim: dict, profile: DeviceProfile) -> float:
+    def shortest(gm: fx.GraphModule | None, kinds: tuple[str, ...]) -> float:
+        times = [
+            collective_time(c.kind, c.nbytes, c.ranks, profile)
+            for n in (gm.graph.nodes if gm is not None else ())
+            if (c := collective_of(n)) is not None and c.kind in kinds
+        ]
+        return min(times, default=0.0)
+
+    head = max(0.0, shortest(forward, ("all_gather",)) - _free_compute(forward, profile, after_collectives=False))
+    tail = 0.0
+    if backward is not None:
+        tail = shortest(backward, ("reduce_scatter", "all_reduce"))
+        tail = max(0.0, tail - _free_compute(backward, profile, after_collectives=True))
+    return max(sim["compute_time"] + head + tail, max(sim["comm_by_group"].values(), default=0.0))
 
 
 def analyze(forward: fx.GraphModule, backward: fx.GraphModule | None, profile: str | DeviceProfile) -> StepAnalysis:
-    """Predict one training step of a partitioned forward/backward pair (one rank).
+    """Simulate one training step of a partitioned forward/backward pair (one rank).
 
     Nodes run in graph order, forward then backward, on one compute stream; collectives are
-    issued when compute reaches them and run one at a time on one comm stream; a
-    ``wait_tensor`` stalls compute until its collective ends. ``backward=None`` analyses
+    issued when compute reaches them and run one at a time on their process group's stream;
+    a ``wait_tensor`` stalls compute until its collective ends. ``backward=None`` analyses
     the forward alone (inference). Deterministic; linear in the number of nodes.
     """
     profile = get_profile(profile)
     stages = [("forward", forward)] + ([("backward", backward)] if backward is not None else [])
     order = [(stage, node) for stage, gm in stages for node in gm.graph.nodes]
     sources = _saved_sources(forward, backward)
-    peak_bytes, peak_gathered = _peaks(order, sources, backward is not None)
-    return StepAnalysis(**_simulate(order, sources, profile), peak_bytes=peak_bytes, peak_gathered_bytes=peak_gathered)
+    sim = _simulate(order, sources, profile)
+    mem = _memory(order, sources, backward is not None)
+    largest_unit = max((tensor_bytes(n.meta.get("val")) for _, n in order if n.target in _all_gathers), default=0)
+    starts = sim.pop("starts")
+    return StepAnalysis(
+        **sim,
+        peak_bytes=mem["peak"],
+        peak_gathered_bytes=mem["peak_gathered"],
+        step_lower_bound=_step_lower_bound(forward, backward, sim, profile),
+        memory_lower_bound=mem["input_bytes"] + mem["saved_bytes"] + largest_unit,
+        memory_curve=list(zip(starts, mem["live"])),
+    )

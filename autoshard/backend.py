@@ -83,10 +83,11 @@ def _finish(gm: fx.GraphModule, stage: str, dump: GraphDump, opts: Options) -> f
     lower_annotations(gm)
     prune_unused_collectives(gm)
     compute_time, comm_time = estimators(_profile(gm, opts))
-    if opts.schedule == "autoshard":
+    if opts.schedule in ("autoshard", "fsdp2"):
         bucket_collectives(gm, opts.bucket_mb)
         dump.write(f"{stage}_bucketed", gm)
-        schedule_overlap(gm, compute_time, comm_time, _mib(opts.max_inflight_mb))
+        fsdp2 = dict(max_prefetch=1, max_reduces_in_flight=1) if opts.schedule == "fsdp2" else {}
+        schedule_overlap(gm, compute_time, comm_time, _mib(opts.max_inflight_mb), **fsdp2)
     elif opts.schedule == "inductor":
         # Shards are padded only on ranks whose shard is short: pricing those pads would let
         # PyTorch's scheduler decide differently per rank. Data movement is priced at zero.
@@ -109,7 +110,7 @@ def autoshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options
         dump.write("joint", joint)
         merge_shared_parameters(joint)
         lower_annotations(joint, opts.reshard_after_forward)
-        if opts.schedule == "autoshard":
+        if opts.schedule in ("autoshard", "fsdp2"):  # FSDP2 keeps its root unit gathered too
             keep_last_bucket_gathered(joint, opts.bucket_mb, _mib(opts.max_inflight_mb))
         dump.write("lowered", joint)
         return joint

@@ -6,8 +6,10 @@ schedules and buckets against each other, not to predict wall-clock time to the 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Callable
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
@@ -23,68 +25,115 @@ COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 
 
 @dataclass(frozen=True)
-class DeviceProfile:
-    """Throughput and latency figures of one device and its process group's links.
+class Link:
+    """One interconnect level, as the ring formula of :func:`collective_time` uses it.
 
-    peak_flops: FLOP/s per dtype; dtypes not listed use the float32 entry.
-    mem_bandwidth: device memory bytes/s.
-    alpha: collective latency per ring step, seconds.
-    bandwidth: bytes/s of one rank's link in one direction, as the ring formula uses it.
-    launch_overhead: seconds added to every compute kernel, so tiny ops are not free.
+    latency: seconds per ring step, per collective kind.
+    bandwidth: bus bandwidth (nccl-tests' "busbw") in bytes/s per rank, per collective kind.
     """
 
     name: str
-    # Excluded from the hash (a dict is unhashable) so profiles can still key caches.
-    peak_flops: dict[torch.dtype, float] = field(hash=False)
+    latency: dict[str, float] = field(hash=False)
+    bandwidth: dict[str, float] = field(hash=False)
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """Throughput and latency figures of one device and the links between devices.
+
+    peak_flops: FLOP/s per dtype name ("float32", "bfloat16", ...); unlisted dtypes use float32's.
+    mem_bandwidth: device memory bytes/s.
+    launch_overhead: seconds added to every compute kernel, so tiny ops are not free.
+    ranks_per_node: ranks that share the ``intra`` link; a group spanning several nodes is
+        paced by ``inter`` (None: every rank is on one node).
+    source: where the figures come from.
+    """
+
+    name: str
+    # Dicts are excluded from the hash so profiles can still key caches.
+    peak_flops: dict[str, float] = field(hash=False)
     mem_bandwidth: float
-    alpha: float
-    bandwidth: float
     launch_overhead: float
+    ranks_per_node: int
+    intra: Link
+    inter: Link | None = None
+    source: str = ""
 
     def flops_per_s(self, dtype: torch.dtype) -> float:
         """Peak FLOP/s for ``dtype`` (the float32 figure for unlisted dtypes)."""
-        return self.peak_flops.get(dtype, self.peak_flops[torch.float32])
+        return self.peak_flops.get(str(dtype).removeprefix("torch."), self.peak_flops["float32"])
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+    @staticmethod
+    def from_json(text: str) -> DeviceProfile:
+        data = json.loads(text)
+        links = {k: Link(**data[k]) if data.get(k) else None for k in ("intra", "inter")}
+        return DeviceProfile(**{**data, **links})
+
+
+def uniform_link(name: str, latency: float, bandwidth: float) -> Link:
+    """A link with the same latency and bus bandwidth for every collective kind."""
+    return Link(name, dict.fromkeys(COLLECTIVE_KINDS, latency), dict.fromkeys(COLLECTIVE_KINDS, bandwidth))
 
 
 PROFILES: dict[str, DeviceProfile] = {
-    # One 8-GPU H100 SXM node on NVLink. Public figures (NVIDIA H100 Tensor Core GPU
-    # datasheet; NVIDIA Hopper architecture whitepaper), dense (no sparsity):
-    #   BF16 / FP16 tensor cores 989 TFLOP/s; TF32 494 TFLOP/s, used for float32 because
-    #   PyTorch users enable TF32 matmuls (torch.backends.cuda.matmul.allow_tf32 /
-    #   set_float32_matmul_precision("high")); HBM3 3.35 TB/s.
-    #   NVLink 4: 900 GB/s bidirectional per GPU = 450 GB/s per direction; NCCL reaches
-    #   roughly 80% of that as bus bandwidth, so ~360 GB/s effective.
-    #   alpha: 2 us per ring step, so (n-1)*alpha = 14 us at 8 GPUs, the order of NCCL's
-    #   small-message latency on one NVLink node.
-    #   launch_overhead: ~5 us per kernel launch.
     "h100": DeviceProfile(
         name="h100",
-        peak_flops={torch.bfloat16: 989e12, torch.float16: 989e12, torch.float32: 494e12},
-        mem_bandwidth=3.35e12,
-        alpha=2e-6,
-        bandwidth=360e9,
-        launch_overhead=5e-6,
+        # Dense tensor-core peaks (no sparsity), NVIDIA H100 SXM5 datasheet: BF16/FP16 989 TFLOP/s,
+        # TF32 495 TFLOP/s, used for float32 because training enables TF32 matmuls.
+        peak_flops={"bfloat16": 989e12, "float16": 989e12, "float32": 495e12},
+        mem_bandwidth=3.35e12,  # HBM3, same datasheet
+        launch_overhead=5e-6,  # typical CUDA kernel launch plus scheduling gap
+        ranks_per_node=8,  # DGX/HGX H100: 8 GPUs on NVSwitch
+        # NVLink 4: 900 GB/s bidirectional per GPU = 450 GB/s per direction; nccl-tests reach
+        # about 80% of it as bus bandwidth for all-gather and reduce-scatter.
+        intra=uniform_link("nvlink4", latency=2e-6, bandwidth=360e9),
+        # DGX H100: one 400 Gb/s ConnectX-7 InfiniBand NIC per GPU = 50 GB/s; ~90% reached.
+        inter=uniform_link("infiniband-ndr", latency=5e-6, bandwidth=45e9),
+        source="NVIDIA H100 SXM5 datasheet; NVIDIA DGX H100 user guide; nccl-tests PERFORMANCE.md (busbw)",
     ),
-    # This development machine: 2 CPU cores, gloo over loopback. Rough guesses, not
-    # measurements; a later `calibrate` command will measure them.
+    "a100": DeviceProfile(
+        name="a100",
+        # NVIDIA A100 SXM4 datasheet: BF16/FP16 312 TFLOP/s dense, TF32 156 TFLOP/s.
+        peak_flops={"bfloat16": 312e12, "float16": 312e12, "float32": 156e12},
+        mem_bandwidth=2.039e12,  # 80 GB HBM2e
+        launch_overhead=5e-6,
+        ranks_per_node=8,  # DGX A100
+        # NVLink 3: 600 GB/s bidirectional = 300 GB/s per direction; ~80% as bus bandwidth.
+        intra=uniform_link("nvlink3", latency=2e-6, bandwidth=240e9),
+        # DGX A100: one 200 Gb/s HDR InfiniBand NIC per GPU = 25 GB/s; ~90% reached.
+        inter=uniform_link("infiniband-hdr", latency=5e-6, bandwidth=22.5e9),
+        source="NVIDIA A100 SXM4 datasheet; NVIDIA DGX A100 user guide; nccl-tests PERFORMANCE.md (busbw)",
+    ),
+    # Placeholder figures for a small CPU machine with gloo over loopback; measure yours
+    # with `python -m autoshard calibrate`.
     "cpu": DeviceProfile(
         name="cpu",
-        peak_flops={torch.bfloat16: 50e9, torch.float16: 50e9, torch.float32: 50e9},
+        peak_flops={"bfloat16": 50e9, "float16": 50e9, "float32": 50e9},
         mem_bandwidth=10e9,
-        alpha=50e-6,
-        bandwidth=2e9,
         launch_overhead=10e-6,
+        ranks_per_node=1024,
+        intra=uniform_link("loopback", latency=50e-6, bandwidth=2e9),
+        source="rough guesses for a 2-core machine",
     ),
 }
 
 
 def get_profile(name: str | DeviceProfile) -> DeviceProfile:
-    """The profile called ``name`` (or ``name`` itself if it is a profile); ValueError otherwise."""
+    """The profile called ``name``, or read from ``name`` if it is a ``.json`` file (as
+    ``python -m autoshard calibrate`` writes one), or ``name`` itself if it is a profile."""
     if isinstance(name, DeviceProfile):
         return name
-    if name not in PROFILES:
-        raise ValueError(f"unknown device profile {name!r}; valid names are {sorted(PROFILES)}.")
-    return PROFILES[name]
+    if name in PROFILES:
+        return PROFILES[name]
+    if str(name).endswith(".json"):
+        try:
+            return DeviceProfile.from_json(Path(name).read_text())
+        except (OSError, ValueError, TypeError, KeyError) as e:
+            raise ValueError(f"cannot read device profile {name!r}: {e}") from None
+    raise ValueError(f"unknown device profile {name!r}; use one of {sorted(PROFILES)} or a .json profile file.")
 
 
 # The CPU attention kernels that the flop counter's registry lacks, with the formulas of
@@ -185,50 +234,76 @@ def _input_nodes(node: fx.Node) -> list[fx.Node]:
     return found
 
 
-def collective_time(kind: str, nbytes: int, group_size: int, profile: str | DeviceProfile) -> float:
-    """Seconds of one ring collective under the alpha-beta model.
+class Collective(NamedTuple):
+    """What a collective node moves: its kind, its bytes as :func:`collective_time` counts
+    them, its process group's name and the global ranks in that group."""
+
+    kind: str
+    nbytes: int
+    group: str
+    ranks: tuple[int, ...]
+
+
+def _ring(link: Link, kind: str, steps: int, fraction: float, nbytes: int) -> float:
+    return steps * link.latency[kind] + fraction * nbytes / link.bandwidth[kind]
+
+
+def collective_time(kind: str, nbytes: int, ranks: int | Sequence[int], profile: str | DeviceProfile) -> float:
+    """Seconds of one ring collective over ``ranks`` (global ranks, or a group size n meaning
+    ranks 0..n-1), in the alpha-beta model behind nccl-tests' bus bandwidth.
 
     Convention: ``nbytes`` is the FULL buffer: the gathered output of an all-gather, the
-    pre-reduce input of a reduce-scatter, the buffer of an all-reduce. Then
-    all_gather / reduce_scatter take ``(n-1) * alpha + (n-1)/n * nbytes / bandwidth``
-    and all_reduce (a reduce-scatter then an all-gather) twice that. 0 for one rank.
+    pre-reduce input of a reduce-scatter, the buffer of an all-reduce. all_gather /
+    reduce_scatter take ``(n-1) * latency + (n-1)/n * nbytes / busbw``, all_reduce twice that.
+    Within one node the intra link sets both terms. A group spanning k nodes is one ring whose
+    k node crossings take the inter link's latency and whose bandwidth is the inter link's: the
+    slowest hop paces a ring. 0 for one rank.
     """
     if kind not in COLLECTIVE_KINDS:
         raise ValueError(f"unknown collective kind {kind!r}; valid kinds are {COLLECTIVE_KINDS}.")
-    if group_size <= 1:
+    ranks = range(ranks) if isinstance(ranks, int) else ranks
+    n = len(ranks)
+    if n <= 1:
         return 0.0
     profile = get_profile(profile)
-    steps = group_size - 1
-    ring = steps * profile.alpha + steps / group_size * nbytes / profile.bandwidth
+    nodes = len({r // profile.ranks_per_node for r in ranks})
+    fraction = (n - 1) / n
+    if nodes == 1 or profile.inter is None:
+        ring = _ring(profile.intra, kind, n - 1, fraction, nbytes)
+    else:
+        ring = _ring(profile.intra, kind, n - nodes, 0.0, 0) + _ring(profile.inter, kind, nodes, fraction, nbytes)
     return 2 * ring if kind == "all_reduce" else ring
 
 
-def _group_size(group_name: str) -> int:
-    if not dist.is_initialized():
-        return 1
-    try:
-        return resolve_process_group(group_name).size()
-    except RuntimeError:  # a group this process does not know (e.g. a graph from elsewhere)
-        return dist.get_world_size()
+def _group_ranks(group_name: str, size: int | None) -> tuple[int, ...]:
+    """Global ranks of a named group; ranks 0..size-1 (or the world's) if this process does
+    not know the group (e.g. a graph compiled elsewhere)."""
+    if dist.is_initialized():
+        try:
+            return tuple(dist.get_process_group_ranks(resolve_process_group(group_name)))
+        except (RuntimeError, ValueError):
+            pass
+        size = size or dist.get_world_size()
+    return tuple(range(size or 1))
 
 
-def collective_of(node: fx.Node) -> tuple[str, int, int] | None:
-    """``(kind, nbytes, group_size)`` of a collective node, with nbytes as in
-    :func:`collective_time`; None for anything else (including wait_tensor).
+def collective_of(node: fx.Node) -> Collective | None:
+    """The :class:`Collective` a node runs; None for anything else (including wait_tensor).
 
     Recognises ``_c10d_functional`` ``all_gather_into_tensor``, ``reduce_scatter_tensor``,
     ``all_reduce`` and their ``_coalesced`` forms (one collective over all their buffers).
-    all_reduce's group size comes from the named process group, else the world size, else 1.
     """
     if node.op != "call_function":
         return None
     target, args = node.target, node.args
     if target in (c10d.all_gather_into_tensor.default, c10d.all_gather_into_tensor_coalesced.default):
-        return "all_gather", tensor_bytes(node.meta.get("val")), args[1]
+        return Collective("all_gather", tensor_bytes(node.meta.get("val")), args[2], _group_ranks(args[2], args[1]))
     if target in (c10d.reduce_scatter_tensor.default, c10d.reduce_scatter_tensor_coalesced.default):
-        return "reduce_scatter", tensor_bytes(fx.node.map_aggregate(args[0], _val)), args[2]
+        nbytes = tensor_bytes(fx.node.map_aggregate(args[0], _val))
+        return Collective("reduce_scatter", nbytes, args[3], _group_ranks(args[3], args[2]))
     if target in (c10d.all_reduce.default, c10d.all_reduce_coalesced.default):
-        return "all_reduce", tensor_bytes(fx.node.map_aggregate(args[0], _val)), _group_size(args[2])
+        nbytes = tensor_bytes(fx.node.map_aggregate(args[0], _val))
+        return Collective("all_reduce", nbytes, args[2], _group_ranks(args[2], None))
     return None
 
 
@@ -241,7 +316,7 @@ def estimators(profile: str | DeviceProfile) -> tuple[Callable[[fx.Node], float]
         return node_time(node, profile)
 
     def comm_time(node: fx.Node, nbytes: int | None = None) -> float:
-        kind, size, group = collective_of(node)
-        return collective_time(kind, size if nbytes is None else nbytes, group, profile)
+        c = collective_of(node)
+        return collective_time(c.kind, c.nbytes if nbytes is None else nbytes, c.ranks, profile)
 
     return compute_time, comm_time

@@ -5,7 +5,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 COMPILERS = ("inductor", "aot_eager", "eager")
-SCHEDULES = ("autoshard", "none", "inductor")
+SCHEDULES = ("autoshard", "none", "fsdp2", "inductor")
 
 
 @dataclass(frozen=True)
@@ -18,13 +18,16 @@ class Options:
         parameter; ``None`` keeps each parameter's own.
     debug_dir: write each compiled graph's stages as Python code under this folder.
     schedule: "autoshard" (bucket by module structure, prefetch by the cost model, bounded
-        memory), "none" (the lowered graph: gather at use, reduce at end) or "inductor"
-        (PyTorch's own bucketing and overlap scheduler), for comparisons on identical graphs.
+        memory); for comparisons on identical graphs: "none" (the lowered graph: gather at
+        use, reduce at end), "fsdp2" (FSDP2's policy: the same buckets, always prefetch the next
+        one, one reduce-scatter in flight) or "inductor" (PyTorch's own bucketing and overlap
+        scheduler).
     bucket_mb: cap on a bucket's size (MiB); default: one bucket per repeated block.
     max_inflight_mb: cap on gathered parameters alive at once (MiB); default: what the cost
         model asks for overlap, at most two buckets ahead.
-    profile: the cost model's device profile for scheduling decisions; default: "h100" for
-        graphs on CUDA, "cpu" otherwise.
+    profile: the cost model's device profile for scheduling decisions: a name ("h100",
+        "a100", "cpu") or a .json file from ``python -m autoshard calibrate``; default: "h100"
+        for graphs on CUDA, "cpu" otherwise.
     """
 
     compiler: str = "inductor"
@@ -51,10 +54,12 @@ class Options:
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
                 raise ValueError(f"autoshard option {name!r} must be a positive number of MiB, got {value!r}.")
         if self.profile is not None:
-            from .cost_model import PROFILES
+            from .cost_model import get_profile
 
-            if self.profile not in PROFILES:
-                raise ValueError(f"autoshard option 'profile' must be one of {tuple(PROFILES)}, got {self.profile!r}.")
+            try:
+                get_profile(self.profile)
+            except ValueError as e:
+                raise ValueError(f"autoshard option 'profile': {e}") from None
 
 
 def parse_options(options: dict[str, Any] | None) -> Options:

@@ -35,6 +35,7 @@ def schedule_overlap(
     collective_time: Callable[[fx.Node], float],
     max_inflight_bytes: int | None = None,
     max_prefetch: int = 2,
+    max_reduces_in_flight: int = 2,
 ) -> fx.GraphModule:
     """Reorder a bucketed forward or backward graph so communication hides behind compute.
 
@@ -45,7 +46,7 @@ def schedule_overlap(
     With ``max_inflight_bytes``, d shrinks (down to 0: gather at use) until the gathered bytes
     alive at once stay within the bound; a bound that not even d = 0 meets raises ValueError.
     Each reduce-scatter is issued right after its last input exists and waited right before
-    the reduce-scatter two buckets later is issued (at most two in flight), or at the end.
+    the reduce-scatter ``max_reduces_in_flight`` buckets later is issued, or at the end.
     Numerics unchanged; deterministic (depends on graph structure, shapes and the cost functions).
     """
     graph = gm.graph
@@ -93,7 +94,8 @@ def schedule_overlap(
         for n in issue:
             priority[n] = ready + 0.5
     for j, outputs in enumerate(reduce_outputs):
-        wait_at = priority[reduces[j + 2]] - 0.25 if j + 2 < len(reduces) else end
+        later = j + max_reduces_in_flight
+        wait_at = priority[reduces[later]] - 0.25 if later < len(reduces) else end
         for n in outputs:
             priority[n] = wait_at
     return reorder(gm, priority)

@@ -94,8 +94,17 @@ def test_profiles():
     h100 = get_profile("h100")
     assert h100 is PROFILES["h100"] and get_profile(h100) is h100
     assert len({h100, get_profile("cpu")}) == 2  # hashable: profiles can key caches
-    with pytest.raises(ValueError, match="'cpu', 'h100'"):
+    with pytest.raises(ValueError, match="'a100', 'cpu', 'h100'"):
         get_profile("tpu")
+
+
+def test_profile_json_round_trip(tmp_path):
+    path = tmp_path / "mine.json"
+    path.write_text(get_profile("a100").to_json())
+    assert get_profile(str(path)) == get_profile("a100")
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(ValueError, match="bad.json"):
+        get_profile(str(tmp_path / "bad.json"))
 
 
 def test_matmul_time_scales_with_flops():
@@ -123,7 +132,7 @@ def test_elementwise_time_is_memory_bound_and_views_are_free():
 
 def test_collective_time():
     h100 = get_profile("h100")
-    ring = 7 * h100.alpha + 7 / 8 * 2**30 / h100.bandwidth
+    ring = 7 * h100.intra.latency["all_gather"] + 7 / 8 * 2**30 / h100.intra.bandwidth["all_gather"]
     assert collective_time("all_gather", 2**30, 8, h100) == pytest.approx(ring)
     assert collective_time("reduce_scatter", 2**30, 8, h100) == collective_time("all_gather", 2**30, 8, h100)
     assert collective_time("all_reduce", 2**30, 8, h100) == 2 * collective_time("all_gather", 2**30, 8, h100)
@@ -136,26 +145,37 @@ def test_collective_time():
         collective_time("all_to_all", 1, 8, h100)
 
 
+def test_collectives_across_nodes_are_paced_by_the_inter_node_link():
+    h100 = get_profile("h100")
+    intra, inter = h100.intra, h100.inter
+    within = collective_time("all_gather", 2**30, 8, h100)
+    across = collective_time("all_gather", 2**30, 16, h100)  # two nodes of 8
+    assert across == pytest.approx(14 * intra.latency["all_gather"] + 2 * inter.latency["all_gather"] + 15 / 16 * 2**30 / inter.bandwidth["all_gather"])
+    assert across > 5 * within
+    # A replica group with one rank per node (HSDP's all-reduce) crosses nodes at every step.
+    replicas = collective_time("all_reduce", 2**30, [0, 8, 16, 24], h100)
+    assert replicas == pytest.approx(2 * (4 * inter.latency["all_reduce"] + 3 / 4 * 2**30 / inter.bandwidth["all_reduce"]))
+    assert collective_time("all_reduce", 2**30, [0, 1, 2, 3], h100) < replicas
+
+
 def test_collective_of(gpt):
     _, fw, bw = gpt()
     nodes = list(fw.graph.nodes) + list(bw.graph.nodes)
     gathers = [n for n in nodes if n.target is c10d.all_gather_into_tensor.default]
     reduces = [n for n in nodes if n.target is c10d.reduce_scatter_tensor.default]
     assert gathers and reduces
-    assert all(collective_of(n) == ("all_gather", _bytes(n), WORLD) for n in gathers)
-    assert all(collective_of(n) == ("reduce_scatter", _bytes(n.args[0]), WORLD) for n in reduces)
+    ranks = tuple(range(WORLD))
+    assert all(collective_of(n)[:2] == ("all_gather", _bytes(n)) and collective_of(n).ranks == ranks for n in gathers)
+    assert all(collective_of(n)[:2] == ("reduce_scatter", _bytes(n.args[0])) and collective_of(n).ranks == ranks for n in reduces)
     assert all(collective_of(n) is None for n in nodes if n not in gathers and n not in reduces)
 
     with fake_world(WORLD):  # all_reduce takes its group size from the named group
         g = Builder()
         reduced = g(c10d.all_reduce.default, g.input("x", 4, 8), "avg", dist.group.WORLD.group_name)
-        assert collective_of(reduced) == ("all_reduce", 4 * 8 * 4, WORLD)
+        assert collective_of(reduced) == ("all_reduce", 4 * 8 * 4, dist.group.WORLD.group_name, tuple(range(WORLD)))
         both = [g.input("a", 2, 8), g.input("b", 1, 8)]
-        assert collective_of(g(c10d.all_gather_into_tensor_coalesced.default, both, WORLD, "0")) == (
-            "all_gather",
-            WORLD * 3 * 8 * 4,
-            WORLD,
-        )
+        coalesced = collective_of(g(c10d.all_gather_into_tensor_coalesced.default, both, WORLD, "0"))
+        assert coalesced[:2] == ("all_gather", WORLD * 3 * 8 * 4) and len(coalesced.ranks) == WORLD
 
 
 def test_gpt_step(gpt):
@@ -178,11 +198,13 @@ def test_gpt_step(gpt):
     assert result.step_time == pytest.approx(result.compute_time + result.exposed_comm)
     assert 0 <= result.overlap_ratio <= 1
 
-    for lane in ("compute", "comm"):
+    group = nodes[0].graph.find_nodes(op="call_function", target=c10d.all_gather_into_tensor.default)[0].args[2]
+    assert {e.lane for e in result.timeline} == {"compute", f"comm:{group}"}  # one process group
+    for lane in {e.lane for e in result.timeline}:
         events = [e for e in result.timeline if e.lane == lane]
         assert all(a.end <= b.start for a, b in zip(events, events[1:]))  # one stream: no overlap
         assert events[-1].end <= result.step_time
-    assert sum(e.end - e.start for e in result.timeline if e.lane == "comm") == pytest.approx(result.comm_time)
+    assert sum(e.end - e.start for e in result.timeline if e.lane != "compute") == pytest.approx(result.comm_time)
 
     # Parameter shards and the batch live all step, and so do the gradient shards at its end.
     shards = sum(_bytes(n) for n in fw.graph.nodes if n.op == "placeholder" and isinstance(n.meta["val"], torch.Tensor))
@@ -190,6 +212,12 @@ def test_gpt_step(gpt):
     assert result.peak_bytes >= shards + grads
     largest = max(_bytes(n) for n in nodes if n.target is c10d.all_gather_into_tensor.default)
     assert largest <= result.peak_gathered_bytes < result.peak_bytes
+
+    assert max(live for _, live in result.memory_curve) == result.peak_bytes
+    times = [t for t, _ in result.memory_curve]
+    assert times == sorted(times) and len(times) == len(nodes)
+    assert shards + largest < result.memory_lower_bound
+    assert result.compute_time <= result.step_lower_bound <= result.step_time
 
 
 def test_keeping_gathered_parameters_raises_the_gathered_peak(gpt):
@@ -233,6 +261,24 @@ def test_waiting_late_hides_the_gather(world8):
     assert late.exposed_comm < early.exposed_comm
     assert late.exposed_comm == 0 and late.overlap_ratio == 1  # 4 big matmuls outlast the gather
     assert late.step_time < early.step_time
+    # The matmuls not needing the gather outlast it, so the bound is compute alone: met by
+    # waiting late, missed by the whole gather when waiting early.
+    assert early.step_lower_bound == late.step_lower_bound == pytest.approx(late.compute_time)
+    assert late.step_time == pytest.approx(late.step_lower_bound)
+
+
+def test_each_process_group_has_its_own_stream(world8):
+    g = Builder()
+    other = dist.new_group(list(range(WORLD)))
+    shard = g.input("shard", 512, 4096)
+    issued = [g(c10d.all_gather_into_tensor.default, shard, WORLD, group) for group in ("0", other.group_name)]
+    waits = [g(c10d.wait_tensor.default, gathered) for gathered in issued]
+    result = analyze(g.module(g(aten.add.Tensor, *waits)), None, "h100")
+    one = collective_time("all_gather", 4 * 512 * 4096 * WORLD, WORLD, "h100")
+    assert result.comm_by_group == pytest.approx({"0": one, other.group_name: one})
+    # The two gathers run side by side: the step waits for one gather, not two.
+    assert result.step_time == pytest.approx(one + result.compute_time)
+    assert result.step_lower_bound == pytest.approx(result.compute_time + one)
 
 
 def test_liveness_frees_after_last_use_and_views_share_storage():

@@ -79,8 +79,9 @@ def test_matches_single_process(world_size: int) -> None:
 
 
 def test_all_schedules_train_alike():
-    """The three schedules reorder and bucket the same collectives: same numerics."""
+    """The schedules reorder and bucket the same collectives: same numerics."""
     configs = [(m, "aot_eager", "sgd", s) for s in ("none", "inductor", "autoshard") for m in ("gpt", "uneven")]
+    configs.append(("gpt", "aot_eager", "sgd", "fsdp2"))
     for rank_errors in run_ranks(2, _train_and_compare, configs):
         bad = {cfg: err for cfg, err in rank_errors.items() if max(err) > TOL}
         assert not bad, f"(loss error, parameter error) above {TOL}: {bad}"

@@ -80,6 +80,18 @@ def test_backward_prefetches_and_reduces_early():
         assert order[reduces[k]] < _first_use(gathers[k - 1], order), f"block {k}"
 
 
+def test_fsdp2_schedule_prefetches_one_block_and_reduces_one_at_a_time():
+    fw, bw = _compile("fsdp2")
+    order = {n: i for i, n in enumerate(fw.graph.nodes)}
+    gathers = _by_block(fw, c10d.all_gather_into_tensor.default)
+    for k in range(2, LAYERS):  # issued during the block before, not earlier
+        assert _first_use(gathers[k - 2], order) < order[gathers[k]] < _first_use(gathers[k - 1], order), f"block {k}"
+    order = {n: i for i, n in enumerate(bw.graph.nodes)}
+    reduces = collectives(bw.graph, c10d.reduce_scatter_tensor.default)
+    for r, later in zip(reduces, reduces[1:]):  # waited before the next one is issued
+        assert order[wait_of(r)] < order[later]
+
+
 def test_gathered_bytes_stay_within_the_bound():
     unbounded = analyze(*_compile(), "h100").peak_gathered_bytes
     bound_mb = 0.85 * unbounded / 2**20
