@@ -6,6 +6,8 @@ release is a one-file change.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch._dynamo
 import torch._functorch.config as functorch_config
@@ -80,6 +82,14 @@ def recompute_region(node: torch.fx.Node) -> int | None:
 def must_save(node: torch.fx.Node) -> None:
     """Tag a joint-graph node so the partitioner saves it for backward."""
     node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+
+
+def fake_tensor_mode() -> Any:
+    """A FakeTensorMode: tensors created inside carry shapes, dtypes and devices but no
+    memory, and ops on them only compute output metadata."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=True)
 
 
 def fake_process_group(rank: int, world_size: int) -> None:

@@ -62,8 +62,9 @@ class StepAnalysis:
     # any compute that needs a parameter, plus the shortest backward reduction after the last
     # compute feeding one (less any compute free to run meanwhile); or the busiest comm stream.
     step_lower_bound: float
-    # What an ideal ZeRO-3 schedule holds at the end of forward: the inputs (parameter shards,
-    # batch), the activations saved for backward and the largest gathered unit.
+    # No order of the same compute beats this: at each node, everything but gathered
+    # parameters (shards, batch, activations, gradients) plus the gathered storages that
+    # node reads; the largest such total.
     memory_lower_bound: int
     timeline: list[Event] = field(repr=False)
     memory_curve: list[tuple[float, int]] = field(repr=False)
@@ -151,8 +152,8 @@ def _element_values(node: fx.Node) -> list:
 
 
 def _memory(order: list[tuple[str, fx.Node]], sources: dict[fx.Node, fx.Node], has_backward: bool) -> dict:
-    """Live bytes after each node allocates, their peak, the gathered peak, and the bytes of
-    the inputs and of the (non-gathered) activations saved for backward.
+    """Live bytes after each node allocates, their peak, the gathered peak, and the lower
+    bound of :class:`StepAnalysis`.
 
     A storage is allocated when its node runs and freed after its last use through any
     alias. Views, getitem and wait_tensor alias their input; a backward placeholder aliases
@@ -178,13 +179,16 @@ def _memory(order: list[tuple[str, fx.Node]], sources: dict[fx.Node, fx.Node], h
             last_use.append(pos)
         return ids
 
+    read_gathered: list[set[int]] = [set() for _ in range(end + 1)]  # gathered storages each node reads
+
     def use(nodes: list[fx.Node], pos: int) -> None:
         for arg in nodes:
             for s in storages.get(arg, ()):
                 last_use[s] = max(last_use[s], pos)
+                if gathered[s]:
+                    read_gathered[pos].add(s)
 
     saved = set(sources.values())
-    inputs: set[int] = set()
     for pos, (stage, node) in enumerate(order):
         base = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
         base_storages = storages.get(base, [])
@@ -207,14 +211,12 @@ def _memory(order: list[tuple[str, fx.Node]], sources: dict[fx.Node, fx.Node], h
         pinned: list[fx.Node] = []
         if node.op == "placeholder" and stage == "forward":
             pinned = [node]
-            inputs.update(storages[node])
         elif node.op == "output":
             pinned = node.all_input_nodes
             if stage == "forward" and has_backward:
                 pinned = [n for n in pinned if n not in saved]
         use(pinned, end)
 
-    saved_storages = {s for n in saved for s in storages.get(n, ()) if not gathered[s]} - inputs
     alloc = [0] * (end + 1)
     alloc_gathered = [0] * (end + 1)
     free = [0] * (end + 1)
@@ -225,13 +227,14 @@ def _memory(order: list[tuple[str, fx.Node]], sources: dict[fx.Node, fx.Node], h
         if gathered[s]:
             alloc_gathered[alloc_at[s]] += nbytes
             free_gathered[last_use[s]] += nbytes
-    live = _live(alloc, free)
+    live, live_gathered = _live(alloc, free), _live(alloc_gathered, free_gathered)
     return dict(
         live=live[:end],
         peak=max(live),
-        peak_gathered=max(_live(alloc_gathered, free_gathered)),
-        input_bytes=sum(size[s] for s in inputs),
-        saved_bytes=sum(size[s] for s in saved_storages),
+        peak_gathered=max(live_gathered),
+        lower_bound=max(
+            a - g + sum(size[s] for s in reads) for a, g, reads in zip(live, live_gathered, read_gathered)
+        ),
     )
 
 
@@ -293,13 +296,12 @@ def analyze(forward: fx.GraphModule, backward: fx.GraphModule | None, profile: s
     sources = _saved_sources(forward, backward)
     sim = _simulate(order, sources, profile)
     mem = _memory(order, sources, backward is not None)
-    largest_unit = max((tensor_bytes(n.meta.get("val")) for _, n in order if n.target in _all_gathers), default=0)
     starts = sim.pop("starts")
     return StepAnalysis(
         **sim,
         peak_bytes=mem["peak"],
         peak_gathered_bytes=mem["peak_gathered"],
         step_lower_bound=_step_lower_bound(forward, backward, sim, profile),
-        memory_lower_bound=mem["input_bytes"] + mem["saved_bytes"] + largest_unit,
+        memory_lower_bound=mem["lower_bound"],
         memory_curve=list(zip(starts, mem["live"])),
     )

@@ -21,7 +21,6 @@ from autoshard.passes import (
     keep_last_bucket_gathered,
     lower_annotations,
     merge_shared_parameters,
-    prune_unused_collectives,
     schedule_overlap,
 )
 from autoshard.passes.graph_utils import is_copy
@@ -81,7 +80,6 @@ def _finish(gm: fx.GraphModule, stage: str, dump: GraphDump, opts: Options) -> f
     """Lower (a graph compiled without autograd never went through the joint pass), bucket
     and schedule one partitioned graph, check all ranks agree on it, and dump it."""
     lower_annotations(gm)
-    prune_unused_collectives(gm)
     compute_time, comm_time = estimators(_profile(gm, opts))
     if opts.schedule in ("autoshard", "fsdp2"):
         bucket_collectives(gm, opts.bucket_mb)

@@ -63,8 +63,7 @@ def _sharded_class(cls: type, names: tuple[str, ...]) -> type:
 
 def _default_mesh(module: nn.Module) -> DeviceMesh:
     device = next(iter(module.parameters()), torch.empty(0)).device
-    # A meta model (shapes only, for analysis) has no device yet; its collectives run on CPU.
-    return init_device_mesh("cpu" if device.type == "meta" else device.type, (dist.get_world_size(),))
+    return init_device_mesh(device.type, (dist.get_world_size(),))
 
 
 def _check(module: nn.Module, mesh: DeviceMesh | None) -> None:

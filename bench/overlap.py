@@ -1,81 +1,105 @@
 """Predicted step time, exposed communication and memory of each schedule, side by side.
 
-Compiles a GPT for a large world in one process (fake process group), then plays the final
-forward/backward graphs of each schedule on the cost model's device profile:
+Compiles GPT shapes from 125M to 8B parameters for world sizes from 8 to 1024 in one process
+(fake process group, fake tensors: no memory for weights or activations), then plays each schedule's final
+forward/backward graphs on the cost model's device profile (autoshard.analysis):
 
-    python bench/overlap.py                         # 12-layer GPT-2-small shape, 8 ranks, H100
-    python bench/overlap.py --layers 4 --embd 256 --world-size 64 --json out.json
+    python bench/overlap.py --quick                  # 125M at 8 and 1024 ranks (~1.5 min here)
+    python bench/overlap.py --json overlap.json      # every shape and world size (~30 min)
+    python bench/overlap.py --shapes 1.3B --world-sizes 64 --profile a100
+
+Schedules: "none" (gather at use, reduce at the end), "fsdp2" (FSDP2's policy on the same
+buckets: prefetch the next block, one reduce-scatter in flight), "inductor" (PyTorch's own
+bucketing and overlap scheduler) and "autoshard". Gaps are to the simulator's lower bounds
+(autoshard.analysis.StepAnalysis). Weights and gradients are float32 (no mixed precision).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 from tabulate import tabulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import autoshard  # noqa: E402
-from autoshard._compat import fake_process_group  # noqa: E402
+from autoshard._compat import fake_process_group, fake_tensor_mode  # noqa: E402
 from autoshard.analysis import analyze  # noqa: E402
 from autoshard.dump import recording  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
 
-SCHEDULES = ("none", "inductor", "autoshard")
+SCHEDULES = ("none", "fsdp2", "inductor", "autoshard")
+# GPT-2 small / medium, GPT-3 XL, and an 8B shape with Llama 3's width and vocabulary.
+SHAPES = {
+    "125M": dict(n_layer=12, n_embd=768, n_head=12, vocab_size=50304),
+    "350M": dict(n_layer=24, n_embd=1024, n_head=16, vocab_size=50304),
+    "1.3B": dict(n_layer=24, n_embd=2048, n_head=16, vocab_size=50304),
+    "8B": dict(n_layer=40, n_embd=4096, n_head=32, vocab_size=128256),
+}
 
 
-def measure(cfg: GPTConfig, batch: int, schedule: str, profile: str) -> dict:
-    """Compile one training step with ``schedule`` and analyse its final graph pair."""
+def measure(cfg: GPTConfig, world: int, batch: int, schedule: str, profile: str) -> dict:
+    """Compile one training step with ``schedule`` at ``world`` ranks; analyse its graphs."""
     torch._dynamo.reset()
-    torch.manual_seed(0)
-    model = autoshard.shard(GPT(cfg))
-    idx = torch.randint(0, cfg.vocab_size, (batch, cfg.block_size))
-    options = {"compiler": "aot_eager", "schedule": schedule, "profile": profile}
-    with recording() as graphs:
-        torch.compile(model, backend="autoshard", options=options)(idx, idx).backward()
-    (stages,) = graphs
-    a = analyze(stages["forward"], stages["backward"], profile)
+    fake_process_group(0, world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))  # outside fake mode: building a mesh reads real tensors
+        with fake_tensor_mode(), recording() as graphs:
+            model = autoshard.shard(GPT(cfg), mesh)
+            idx = torch.zeros(batch, cfg.block_size, dtype=torch.long)
+            options = {"compiler": "aot_eager", "schedule": schedule, "profile": profile}
+            torch.compile(model, backend="autoshard", options=options)(idx, idx).backward()
+        (stages,) = graphs
+        a = analyze(stages["forward"], stages["backward"], profile)
+    finally:
+        dist.destroy_process_group()
+    params = sum(p.numel() for p in model.parameters())
     return {
         "schedule": schedule,
         "step_ms": a.step_time * 1e3,
-        "compute_ms": a.compute_time * 1e3,
-        "comm_ms": a.comm_time * 1e3,
-        "exposed_ms": a.exposed_comm * 1e3,
         "exposed_pct": 100 * a.exposed_comm / a.step_time,
         "overlap": a.overlap_ratio,
-        "peak_mib": a.peak_bytes / 2**20,
-        "peak_gathered_mib": a.peak_gathered_bytes / 2**20,
+        "peak_gib": a.peak_bytes / 2**30,
+        "bytes_per_param": a.peak_bytes / params,
+        "step_gap_pct": 100 * (a.step_time / a.step_lower_bound - 1),
+        "mem_gap_pct": 100 * (a.peak_bytes / a.memory_lower_bound - 1),
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--embd", type=int, default=768)
-    parser.add_argument("--heads", type=int, default=12)
-    parser.add_argument("--vocab", type=int, default=50304)
-    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--shapes", nargs="+", choices=SHAPES, default=list(SHAPES))
+    parser.add_argument("--world-sizes", nargs="+", type=int, default=[8, 64, 1024])
+    parser.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=list(SCHEDULES))
+    parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--batch", type=int, default=1, help="sequences per rank")
-    parser.add_argument("--world-size", type=int, default=8)
-    parser.add_argument("--profile", default="h100")
+    parser.add_argument("--profile", default="h100", help="h100, a100, cpu or a .json from `python -m autoshard calibrate`")
+    parser.add_argument("--quick", action="store_true", help="125M at 8 and 1024 ranks only")
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args()
+    if args.quick:
+        args.shapes, args.world_sizes = ["125M"], [8, 1024]
 
-    cfg = GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers, n_head=args.heads, n_embd=args.embd)
-    fake_process_group(0, args.world_size)
     rows = []
-    for schedule in SCHEDULES:
-        print(f"compiling schedule={schedule} ...", file=sys.stderr, flush=True)
-        rows.append(measure(cfg, args.batch, schedule, args.profile))
-    base = rows[0]
-    for row in rows:
-        row["step_vs_none"] = row["step_ms"] / base["step_ms"]
-    params = sum(p.numel() for p in GPT(cfg).parameters()) / 1e6
-    print(f"GPT {args.layers} layers x {args.embd}, {params:.0f}M parameters, seq {args.seq}, "
-          f"batch {args.batch}/rank, world {args.world_size}, profile {args.profile} (predicted)")
-    print(tabulate(rows, headers="keys", floatfmt=".3f"))
+    for shape in args.shapes:
+        cfg = GPTConfig(block_size=args.seq, **SHAPES[shape])
+        for world in args.world_sizes:
+            base = None
+            for schedule in args.schedules:
+                start = time.perf_counter()
+                print(f"{shape} world={world} schedule={schedule} ...", end=" ", file=sys.stderr, flush=True)
+                row = {"shape": shape, "world": world, **measure(cfg, world, args.batch, schedule, args.profile)}
+                print(f"{time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+                base = base or row
+                row["step_vs_" + base["schedule"]] = row["step_ms"] / base["step_ms"]
+                rows.append(row)
+    print(f"GPT, seq {args.seq}, batch {args.batch}/rank, float32, profile {args.profile} (predicted by the simulator)")
+    print(tabulate(rows, headers="keys", floatfmt=".3g"))
     if args.json:
         Path(args.json).write_text(json.dumps({"config": vars(args), "rows": rows}, indent=2))
 

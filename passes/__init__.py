@@ -2,14 +2,13 @@
 
 Installed as ``autoshard.passes``. In pipeline order: on the joint forward+backward graph,
 merge_shared_parameters, lower_annotations and keep_last_bucket_gathered; on each
-partitioned graph, prune_unused_collectives, bucket_collectives then schedule_overlap (or PyTorch's own scheduler,
+partitioned graph, bucket_collectives then schedule_overlap (or PyTorch's own scheduler,
 inductor_schedule, as a baseline).
 """
 from .bucket import bucket_collectives, plan_buckets
 from .inductor_schedule import inductor_schedule
 from .lower import lower_annotations
 from .merge_shared import merge_shared_parameters
-from .prune import prune_unused_collectives
 from .reshard import keep_last_bucket_gathered
 from .schedule import schedule_overlap
 
@@ -20,6 +19,5 @@ __all__ = [
     "lower_annotations",
     "merge_shared_parameters",
     "plan_buckets",
-    "prune_unused_collectives",
     "schedule_overlap",
 ]
