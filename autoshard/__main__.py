@@ -1,0 +1,7 @@
+import sys
+
+# Guarded: ranks spawned by `calibrate` import the main module again as __mp_main__.
+if __name__ == "__main__":
+    from autoshard.cli import main
+
+    sys.exit(main())

@@ -1,0 +1,332 @@
+"""Measure this machine and fit a :class:`~autoshard.cost_model.DeviceProfile` to it
+(``python -m autoshard calibrate``).
+
+What is measured, on ``w`` gloo ranks spawned on this machine for each world size ``w``; each
+rank runs with ``os.cpu_count() // w`` threads, as training ranks do here, so every figure is
+taken under the contention training sees:
+
+- compute, in the ranks of the first world size, all ranks at once (a barrier before each timed
+  call; median over repeats, then median over ranks): matmul FLOP/s per dtype (square ``mm``,
+  ``2 n^3 / t``, ``n`` doubled from 128 until one call takes a few ms), memory bandwidth
+  (``torch.add(a, b, out=c)`` on 64 MiB tensors: input + output bytes / t, the bytes
+  :func:`~autoshard.cost_model.node_time` counts) and launch overhead (``torch.add`` on
+  1-element tensors, per call);
+- collectives, at every world size: blocking ``all_gather_into_tensor``, ``reduce_scatter_tensor``
+  and ``all_reduce`` of float32 over a sweep of sizes, in cost_model's full-buffer convention
+  (gathered output / pre-reduce input / buffer); a barrier before each timed call, median over
+  repeats, max over ranks (a collective ends when its slowest rank does).
+
+How it is fitted: per collective kind, one latency (per ring step) and one bus bandwidth, by
+least squares over all sizes and world sizes of that kind on the single-node formula of
+:func:`~autoshard.cost_model.collective_time`, ``t = m * ((n-1) * latency + (n-1)/n * nbytes /
+bandwidth)`` (m = 2 for all_reduce, else 1). Residuals are relative (each row divided by its
+measured time), so 4 KiB and 16 MiB collectives weigh alike; the fit is non-negative
+(latency >= 0, 1/bandwidth >= 1e-15). :func:`fit_report` compares the fit with the measurements.
+"""
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from datetime import date
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from tabulate import tabulate
+
+from .cost_model import COLLECTIVE_KINDS, DeviceProfile, Link, collective_time
+
+DEFAULT_SIZES = tuple(4096 * 4**i for i in range(7))  # 4 KiB .. 16 MiB
+QUICK_SIZES = tuple(4096 * 16**i for i in range(4))  # 4 KiB, 64 KiB, 1 MiB, 16 MiB
+MATMUL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_MIN_INV_BANDWIDTH = 1e-15  # 1/bandwidth's floor: bandwidth stays finite (<= 1e15 B/s)
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One collective measurement: ``seconds`` for ``kind`` over ``nbytes`` (full buffer) on
+    ``world_size`` ranks (median over repeats, max over ranks)."""
+
+    kind: str
+    world_size: int
+    nbytes: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Measurements:
+    """What :func:`measure` found; :func:`fit` turns it into a profile."""
+
+    peak_flops: dict[str, float]  # FLOP/s per dtype name
+    mem_bandwidth: float  # bytes/s
+    launch_overhead: float  # seconds
+    samples: list[Sample]
+    threads: dict[int, int]  # world size -> threads per rank
+
+
+def _threads(world_size: int) -> int:
+    return max(1, (os.cpu_count() or 1) // world_size)
+
+
+def _timed(fn: Callable[[], Any], repeats: int) -> list[float]:
+    """Seconds of ``fn()`` after one warm-up call, ``repeats`` times, all ranks starting together."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def _matmul_flops(dtype: torch.dtype, repeats: int, min_seconds: float) -> float:
+    # Grow n until one call is long enough to time; all ranks then agree on the largest n.
+    n = 128
+    while n < 2048:
+        a = torch.randn(n, n, dtype=dtype)
+        start = time.perf_counter()
+        torch.mm(a, a)
+        if time.perf_counter() - start >= min_seconds:
+            break
+        n *= 2
+    agreed = torch.tensor([n])
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+    n = int(agreed)
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    return 2 * n**3 / statistics.median(_timed(lambda: torch.mm(a, b), repeats))
+
+
+def _compute_figures(repeats: int, quick: bool) -> dict[str, float]:
+    figures = {str(dt).removeprefix("torch."): _matmul_flops(dt, repeats, 0.005 if quick else 0.02) for dt in MATMUL_DTYPES}
+    a, b, c = (torch.ones(16 * 2**20) for _ in range(3))  # 64 MiB each, well past the caches
+    figures["mem_bandwidth"] = 3 * a.nbytes / statistics.median(_timed(lambda: torch.add(a, b, out=c), repeats))
+    x, calls = torch.ones(1), 200
+
+    def tiny_ops() -> None:
+        for _ in range(calls):
+            torch.add(x, x)
+
+    figures["launch_overhead"] = statistics.median(_timed(tiny_ops, repeats)) / calls
+    return figures
+
+
+def _numel(nbytes: int, world_size: int) -> int:
+    """float32 elements of a full buffer of about ``nbytes``, divisible by the world size."""
+    return max(1, nbytes // 4 // world_size) * world_size
+
+
+# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor (same ops) and warns on the old names.
+_all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
+
+def _collective_times(sizes: Sequence[int], repeats: int) -> dict[tuple[str, int], list[float]]:
+    w = dist.get_world_size()
+    times = {}
+    for nbytes in sizes:
+        numel = _numel(nbytes, w)
+        full, shard = torch.ones(numel), torch.ones(numel // w)
+        calls = {
+            "all_gather": lambda: _all_gather(full, shard),
+            "reduce_scatter": lambda: _reduce_scatter(shard, full),
+            "all_reduce": lambda: dist.all_reduce(full),
+        }
+        for kind in COLLECTIVE_KINDS:
+            times[kind, full.nbytes] = _timed(calls[kind], repeats)
+    return times
+
+
+def _rank_work(sizes: Sequence[int], repeats: int, compute: bool, quick: bool) -> dict[str, Any]:
+    torch.set_num_threads(_threads(dist.get_world_size()))
+    with torch.no_grad():
+        figures = _compute_figures(repeats, quick) if compute else {}
+        return {"compute": figures, "collectives": _collective_times(sizes, repeats)}
+
+
+def _entry(rank: int, world_size: int, init_file: str, out_dir: str, args: tuple) -> None:
+    faulthandler.enable()
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        torch.save(_rank_work(*args), os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _run_ranks(world_size: int, args: tuple, timeout: float = 900) -> list[dict[str, Any]]:
+    """``_rank_work(*args)`` on ``world_size`` fresh gloo ranks; their results, by rank."""
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "init")
+        procs = [ctx.Process(target=_entry, args=(r, world_size, init_file, tmp, args)) for r in range(world_size)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        alive = [p for p in procs if p.is_alive()]
+        for p in alive:
+            p.kill()
+        if alive:
+            raise TimeoutError(f"calibration: {len(alive)} of {world_size} ranks still running after {timeout}s")
+        if any(p.exitcode for p in procs):
+            raise RuntimeError(f"calibration ranks exited with codes {[p.exitcode for p in procs]}; see their stderr")
+        return [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(world_size)]
+
+
+def measure(
+    world_sizes: Sequence[int] = (2, 4), *, sizes: Sequence[int] | None = None, repeats: int = 5, quick: bool = False
+) -> Measurements:
+    """Run the measurements described in the module docstring."""
+    if not world_sizes or any(w < 2 for w in world_sizes):
+        raise ValueError(f"world sizes must be >= 2, got {list(world_sizes)}")
+    sizes = tuple(sizes or (QUICK_SIZES if quick else DEFAULT_SIZES))
+    samples: list[Sample] = []
+    compute: dict[str, float] = {}
+    for i, w in enumerate(world_sizes):
+        results = _run_ranks(w, (sizes, repeats, i == 0, quick))
+        if i == 0:
+            compute = {key: statistics.median(r["compute"][key] for r in results) for key in results[0]["compute"]}
+        for kind, nbytes in results[0]["collectives"]:
+            seconds = max(statistics.median(r["collectives"][kind, nbytes]) for r in results)
+            samples.append(Sample(kind, w, nbytes, seconds))
+    return Measurements(
+        peak_flops={str(dt).removeprefix("torch."): compute[str(dt).removeprefix("torch.")] for dt in MATMUL_DTYPES},
+        mem_bandwidth=compute["mem_bandwidth"],
+        launch_overhead=compute["launch_overhead"],
+        samples=samples,
+        threads={w: _threads(w) for w in world_sizes},
+    )
+
+
+def _fit_link(samples: Sequence[Sample]) -> tuple[float, float]:
+    """(latency, bandwidth) minimising the relative squared error of the ring formula."""
+    # t = latency * x1 + (1/bandwidth) * x2; divided by t, every row's target is 1.
+    rows = []
+    for s in samples:
+        m = 2 if s.kind == "all_reduce" else 1
+        n = s.world_size
+        rows.append((m * (n - 1) / s.seconds, m * (n - 1) / n * s.nbytes / s.seconds))
+    s11 = sum(x1 * x1 for x1, _ in rows)
+    s12 = sum(x1 * x2 for x1, x2 in rows)
+    s22 = sum(x2 * x2 for _, x2 in rows)
+    r1, r2 = sum(x1 for x1, _ in rows), sum(x2 for _, x2 in rows)
+
+    def residual(ab: tuple[float, float]) -> float:
+        return sum((ab[0] * x1 + ab[1] * x2 - 1) ** 2 for x1, x2 in rows)
+
+    # Non-negative least squares in two unknowns: the unconstrained optimum if it is feasible,
+    # else the better of the two boundary optima.
+    candidates = [(0.0, max(r2 / s22, _MIN_INV_BANDWIDTH)), (max(r1 / s11, 0.0), _MIN_INV_BANDWIDTH)]
+    det = s11 * s22 - s12 * s12
+    if det > 0:
+        a, b = (r1 * s22 - r2 * s12) / det, (s11 * r2 - s12 * r1) / det
+        if a >= 0 and b >= _MIN_INV_BANDWIDTH:
+            candidates.append((a, b))
+    latency, inv_bandwidth = min(candidates, key=residual)
+    return latency, 1 / inv_bandwidth
+
+
+def fit(measurements: Measurements, name: str = "calibrated") -> DeviceProfile:
+    """The profile whose figures are the measured ones and whose intra link fits the collectives."""
+    latency, bandwidth = {}, {}
+    for kind in COLLECTIVE_KINDS:
+        latency[kind], bandwidth[kind] = _fit_link([s for s in measurements.samples if s.kind == kind])
+    worlds = list(measurements.threads)
+    return DeviceProfile(
+        name=name,
+        peak_flops=dict(measurements.peak_flops),
+        mem_bandwidth=measurements.mem_bandwidth,
+        launch_overhead=measurements.launch_overhead,
+        ranks_per_node=1024,  # every rank is on this one machine
+        intra=Link("gloo-loopback", latency, bandwidth),
+        inter=None,
+        source=(
+            f"measured by python -m autoshard calibrate on {socket.gethostname()}, {date.today().isoformat()}, "
+            f"torch {torch.__version__}, world sizes {', '.join(map(str, worlds))}, "
+            f"threads per rank {', '.join(str(measurements.threads[w]) for w in worlds)}"
+        ),
+    )
+
+
+def _relative_error(profile: DeviceProfile, s: Sample) -> float:
+    return collective_time(s.kind, s.nbytes, s.world_size, profile) / s.seconds - 1
+
+
+def fit_errors(profile: DeviceProfile, measurements: Measurements) -> dict[str, float]:
+    """Median |predicted / measured - 1| per collective kind."""
+    return {
+        kind: statistics.median(abs(_relative_error(profile, s)) for s in measurements.samples if s.kind == kind)
+        for kind in COLLECTIVE_KINDS
+    }
+
+
+def _kib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:g} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:g} KiB"
+
+
+def fit_report(profile: DeviceProfile, measurements: Measurements) -> str:
+    """Tables: the fitted link, then measured vs predicted time per (kind, world size, size)."""
+    errors = fit_errors(profile, measurements)
+    link = [
+        (kind, f"{profile.intra.latency[kind] * 1e6:.1f}", f"{profile.intra.bandwidth[kind] / 1e9:.3f}", f"{errors[kind]:.1%}")
+        for kind in COLLECTIVE_KINDS
+    ]
+    rows = [
+        (s.kind, s.world_size, _kib(s.nbytes), f"{s.seconds * 1e6:.0f}",
+         f"{collective_time(s.kind, s.nbytes, s.world_size, profile) * 1e6:.0f}", f"{_relative_error(profile, s):+.0%}")
+        for s in measurements.samples
+    ]
+    compute = (
+        f"matmul GFLOP/s: {', '.join(f'{k} {v / 1e9:.3g}' for k, v in profile.peak_flops.items())}; "
+        f"memory {profile.mem_bandwidth / 1e9:.3g} GB/s; launch overhead {profile.launch_overhead * 1e6:.3g} us"
+    )
+    return "\n\n".join([
+        compute,
+        tabulate(link, headers=["kind", "latency/step (us)", "busbw (GB/s)", "median |error|"]),
+        tabulate(rows, headers=["kind", "ranks", "bytes", "measured (us)", "predicted (us)", "error"]),
+    ])
+
+
+def calibrate(
+    world_sizes: Sequence[int] = (2, 4),
+    *,
+    sizes: Sequence[int] | None = None,
+    repeats: int = 5,
+    name: str = "calibrated",
+    quick: bool = False,
+) -> DeviceProfile:
+    """Measure this machine (see the module docstring) and return the fitted profile; the fit
+    report goes to stderr."""
+    measurements = measure(world_sizes, sizes=sizes, repeats=repeats, quick=quick)
+    profile = fit(measurements, name)
+    print(fit_report(profile, measurements), file=sys.stderr)
+    return profile
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4], metavar="N",
+                        help="gloo world sizes to time the collectives at; compute is timed at the first (default: 2 4)")
+    parser.add_argument("--out", default="profile.json",
+                        help="where to write the profile; a .json name lets --profile / get_profile read it (default: profile.json)")
+    parser.add_argument("--name", default="calibrated", help="the profile's name (default: calibrated)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed calls per measurement (default: 5; 3 with --quick)")
+    parser.add_argument("--quick", action="store_true", help="fewer sizes and repeats, smaller matmuls: a rough profile fast")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Calibrate with the parsed ``args`` and write the profile's JSON to ``args.out``."""
+    repeats = args.repeats or (3 if args.quick else 5)
+    profile = calibrate(args.world_sizes, repeats=repeats, name=args.name, quick=args.quick)
+    with open(args.out, "w") as f:
+        f.write(profile.to_json())
+    print(f"wrote {args.out}", file=sys.stderr)
+    return 0

@@ -1,0 +1,322 @@
+"""Measured step time and peak memory of DDP, FSDP2 and autoshard on real gloo ranks (CPU).
+
+Starts ``world`` CPU processes on gloo for each world size, trains the same small GPT with
+each system in turn and measures, per rank, the median step time (forward + backward +
+AdamW step) and the peak memory of one steady-state step. For the autoshard rows it also
+plays the compiled forward/backward graphs on the cost model (``autoshard.analysis``) and
+compares the prediction with the measured forward + backward time:
+
+    python bench/real.py                                   # GPT 4 x 128, seq 128, worlds 2 and 4
+    python bench/real.py --world-sizes 2 --steps 20 --json real.json
+    python bench/real.py --profile cpu                     # cost-model profile for the prediction
+
+Compiled systems use the "aot_eager" compiler (Inductor spends minutes compiling C++ on a
+small CPU box), so compiled and eager rows run the same ATen kernels.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from tabulate import tabulate
+from torch._dynamo.utils import counters
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile, record_function
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+import autoshard  # noqa: E402
+from autoshard.analysis import analyze  # noqa: E402
+from autoshard.dump import recording  # noqa: E402
+from gpt import GPT, GPTConfig  # noqa: E402
+
+SYSTEMS = ("ddp", "fsdp2", "fsdp2_compile", "autoshard_none", "autoshard")
+MEMORY_METHOD = (
+    "peak = persistent state at step start (parameters + gradients + optimizer state: bytes of the local "
+    "tensors; + DDP's gradient buckets) + highest rise of allocated CPU bytes during a steady-state step "
+    "(running sum of torch.profiler '[memory]' alloc/free events, profile_memory=True, all threads, time "
+    "order; the second of two profiled steps)"
+)
+
+
+# --- one function per system: wrap a freshly built GPT, return (callable, module owning the parameters)
+
+
+def setup_ddp(model: GPT, args: argparse.Namespace) -> tuple:
+    # Every rank holds full parameters, gradients and optimizer state; gradients are all-reduced
+    # in buckets during backward.
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = DistributedDataParallel(model)
+    return ddp, ddp
+
+
+def _fully_shard(model: GPT) -> GPT:
+    # As FSDP2 users do: each transformer block is its own unit (gathered and freed as one),
+    # the root (embeddings, final norm, tied head) last.
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def setup_fsdp2(model: GPT, args: argparse.Namespace) -> tuple:
+    model = _fully_shard(model)
+    return model, model
+
+
+def setup_fsdp2_compile(model: GPT, args: argparse.Namespace) -> tuple:
+    # As FSDP2 users compile: FSDP2's hooks are dynamo-disabled, so the root's loop over blocks
+    # graph-breaks at each block; each block's forward is compiled (one graph, reused by all),
+    # embeddings, head and loss run eagerly.
+    model = _fully_shard(model)
+    return torch.compile(model, backend=args.fsdp2_compile_backend), model
+
+
+def _setup_autoshard(model: GPT, schedule: str) -> tuple:
+    # The backend's own "profile" option keeps its default ("cpu" off CUDA); --profile only
+    # changes the profile the prediction below is made with.
+    autoshard.shard(model)
+    options = {"compiler": "aot_eager", "schedule": schedule}
+    return torch.compile(model, backend="autoshard", options=options), model
+
+
+def setup_autoshard_none(model: GPT, args: argparse.Namespace) -> tuple:
+    return _setup_autoshard(model, "none")
+
+
+def setup_autoshard(model: GPT, args: argparse.Namespace) -> tuple:
+    return _setup_autoshard(model, "autoshard")
+
+
+SETUPS = {name: globals()[f"setup_{name}"] for name in SYSTEMS}
+
+
+# --- measurement, on every rank
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t  # DTensor shards: count this rank's part
+
+
+def state_bytes(model, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes this rank keeps between steps: parameters, gradients, optimizer state (and DDP's buckets)."""
+    params = list(module.parameters())
+    total = sum(_local(p).nbytes for p in params)
+    if hasattr(model, "_get_ddp_logging_data"):
+        # DDP's reducer keeps flat gradient buckets (one more full copy of the gradients, allocated
+        # at construction) that no parameter points to; the sizes come from its (private) logging data.
+        total += sum(int(b) for b in model._get_ddp_logging_data()["bucket_sizes"].split(",") if b)
+    total += sum(_local(p.grad).nbytes for p in params if p.grad is not None)
+    total += sum(_local(t).nbytes for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor))
+    return total
+
+
+def peak_rise(prof: profile, window: str) -> int:
+    """Highest allocated bytes during the ``window`` record_function, above its start.
+
+    Kineto's "[memory]" events carry the signed size of every allocation (+) and free (-);
+    their running sum in time order (all threads) is the allocated bytes, relative to when the
+    profiler started. (FunctionEvent.cpu_memory_usage counts nested ops' allocations twice.)
+    """
+    events = list(prof.profiler.kineto_results.events())
+    (start, end) = next((e.start_ns(), e.end_ns()) for e in events if e.name() == window)
+    memory = sorted((e for e in events if e.name() == "[memory]" and e.device_type() == DeviceType.CPU), key=lambda e: e.start_ns())
+    live = peak = base = 0
+    for e in memory:
+        if e.start_ns() > end:
+            break
+        if e.start_ns() < start:
+            base = live = live + e.nbytes()
+        else:
+            live += e.nbytes()
+            peak = max(peak, live - base)
+    return peak
+
+
+def train_step(model, optimizer, x, y) -> tuple[float, float]:
+    """One step; returns (forward + backward seconds, whole-step seconds)."""
+    dist.barrier()  # start together: otherwise a rank's time includes waiting for the slowest
+    t0 = time.perf_counter()
+    model(x, y).backward()  # gradients are reduced (and waited for) before backward returns
+    t1 = time.perf_counter()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    t2 = time.perf_counter()
+    return t1 - t0, t2 - t0
+
+
+def measure(system: str, args: argparse.Namespace) -> dict:
+    rank = dist.get_rank()
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)  # same initial weights on every rank and for every system
+    cfg = GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers, n_head=args.heads, n_embd=args.embd)
+    model, module = SETUPS[system](GPT(cfg), args)
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)  # after sharding: it sees the shards
+    g = torch.Generator().manual_seed(rank)  # each rank its own slice of the global batch
+    x, y = (torch.randint(0, args.vocab, (args.batch, args.seq), generator=g) for _ in range(2))
+
+    start = time.perf_counter()
+    with recording() as graphs:  # compile happens in the first step (backward graph in its backward)
+        train_step(model, optimizer, x, y)
+    for _ in range(args.warmup - 1):
+        train_step(model, optimizer, x, y)
+    warmup_s = time.perf_counter() - start
+    times = [train_step(model, optimizer, x, y) for _ in range(args.steps)]
+
+    # Memory in separate steps: the profiler slows the steps it watches. Two steps, the second
+    # measured: the profiler drops frees of blocks allocated before it started (torch warns of
+    # "a block of unknown size"), so buffers one step hands to the next are only seen this way.
+    persistent = state_bytes(model, module, optimizer)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        train_step(model, optimizer, x, y)
+        with record_function("measured_step"):
+            train_step(model, optimizer, x, y)
+
+    result = {
+        "fwd_bwd_s": statistics.median(t for t, _ in times),
+        "step_s": statistics.median(s for _, s in times),
+        "state_bytes": persistent,
+        "peak_bytes": persistent + peak_rise(prof, "measured_step"),
+        "warmup_s": warmup_s,
+        "graphs": counters["stats"]["unique_graphs"],  # Dynamo graphs compiled (0: eager)
+    }
+    if system.startswith("autoshard"):
+        # Forward + backward only: the simulator does not model the optimizer step. With graph
+        # breaks the graphs run one after another, so their predictions add up.
+        analyses = [analyze(s["forward"], s["backward"], args.profile) for s in graphs]
+        result["predicted_s"] = sum(a.step_time for a in analyses)
+        result["predicted_compute_s"] = sum(a.compute_time for a in analyses)
+        result["predicted_comm_s"] = sum(a.comm_time for a in analyses)
+        result["predicted_peak_bytes"] = max(a.peak_bytes for a in analyses)
+    return result
+
+
+def run_rank(rank: int, world: int, init_file: str, out_dir: str, args: argparse.Namespace) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # ranks share the machine's cores
+    try:
+        results = {}
+        for system in args.systems:
+            results[system] = measure(system, args)
+            if rank == 0:
+                r = results[system]
+                print(f"world {world} {system:15s} warm-up {r['warmup_s']:6.1f} s ({r['graphs']} graphs), "
+                      f"step {r['step_s'] * 1e3:7.1f} ms (rank 0)", file=sys.stderr, flush=True)
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_world(world: int, args: argparse.Namespace) -> list[dict]:
+    """Per-rank results of every system on ``world`` fresh gloo ranks."""
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(run_rank, args=(world, os.path.join(tmp, "init"), tmp, args), nprocs=world, start_method="spawn")
+        return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(world)]
+
+
+def rows_of(world: int, per_rank: list[dict], systems: list[str]) -> list[dict]:
+    """One row per system. Times: max over ranks of each rank's median; peak: max over ranks."""
+    rows = []
+    for system in systems:
+        rs = [r[system] for r in per_rank]
+        row = {
+            "world": world,
+            "system": system,
+            "step_ms": max(r["step_s"] for r in rs) * 1e3,
+            "fwd_bwd_ms": max(r["fwd_bwd_s"] for r in rs) * 1e3,
+            "step_vs_ddp": None,
+            "peak_mib": max(r["peak_bytes"] for r in rs) / 2**20,
+            "peak_vs_ddp": None,
+            "predicted_ms": None,
+            "pred_error": None,
+        }
+        if "predicted_s" in rs[0]:
+            row["predicted_ms"] = rs[0]["predicted_s"] * 1e3  # ranks compile identical graphs
+            row["pred_error"] = row["predicted_ms"] / row["fwd_bwd_ms"] - 1
+        # Not shown in the table, kept in --json.
+        row["state_mib"] = max(r["state_bytes"] for r in rs) / 2**20
+        row["step_ms_per_rank"] = [r["step_s"] * 1e3 for r in rs]
+        row["peak_mib_per_rank"] = [r["peak_bytes"] / 2**20 for r in rs]
+        if "predicted_s" in rs[0]:
+            row["predicted_compute_ms"] = rs[0]["predicted_compute_s"] * 1e3
+            row["predicted_comm_ms"] = rs[0]["predicted_comm_s"] * 1e3
+            row["predicted_peak_mib"] = rs[0]["predicted_peak_bytes"] / 2**20  # analysis: no optimizer state
+        row["warmup_s"] = max(r["warmup_s"] for r in rs)
+        row["graphs"] = rs[0]["graphs"]
+        rows.append(row)
+    ddp = next((r for r in rows if r["system"] == "ddp"), None)
+    if ddp is not None:
+        for row in rows:
+            row["step_vs_ddp"] = row["step_ms"] / ddp["step_ms"]
+            row["peak_vs_ddp"] = row["peak_mib"] / ddp["peak_mib"]
+    return rows
+
+
+TABLE = ("world", "system", "step_ms", "fwd_bwd_ms", "step_vs_ddp", "peak_mib", "peak_vs_ddp", "predicted_ms", "pred_error")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--embd", type=int, default=128)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=96)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=4, help="sequences per rank")
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
+    parser.add_argument("--steps", type=int, default=8, help="timed steps")
+    parser.add_argument("--warmup", type=int, default=2,
+                        help="untimed steps first: compilation in the first, optimizer state created by its step")
+    parser.add_argument("--fsdp2-compile-backend", default="aot_eager", help="torch.compile backend of fsdp2_compile")
+    parser.add_argument("--profile", default="cpu", help="cost-model profile for the prediction (autoshard.cost_model.get_profile)")
+    parser.add_argument("--json", help="also write the rows and the configuration to this file")
+    args = parser.parse_args()
+    if args.warmup < 1 or args.steps < 1:
+        parser.error("--warmup and --steps must be at least 1")
+
+    start = time.perf_counter()
+    rows = []
+    for world in args.world_sizes:
+        rows += rows_of(world, run_world(world, args), args.systems)
+    elapsed = time.perf_counter() - start
+
+    params = sum(p.numel() for p in GPT(GPTConfig(args.vocab, args.seq, args.layers, args.heads, args.embd)).parameters())
+    print(f"GPT {args.layers} layers x {args.embd}, {params / 1e6:.2f}M parameters, seq {args.seq}, batch {args.batch}/rank; "
+          f"gloo on CPU, {args.steps} timed steps after {args.warmup} warm-up; compiled rows use "
+          f"{args.fsdp2_compile_backend} (fsdp2_compile) / aot_eager (autoshard)")
+    print("step_ms, fwd_bwd_ms: max over ranks of each rank's median; peak_mib: max over ranks. Memory: " + MEMORY_METHOD)
+    print(tabulate([[r[k] for k in TABLE] for r in rows], headers=TABLE, floatfmt=".3f", missingval=""))
+    for r in rows:
+        if r["pred_error"] is not None:
+            verdict = "within" if abs(r["pred_error"]) <= 0.25 else "NOT within"
+            print(f"world {r['world']} {r['system']}: predicted fwd+bwd {r['predicted_ms']:.1f} ms (profile {args.profile}) "
+                  f"vs measured {r['fwd_bwd_ms']:.1f} ms: error {r['pred_error']:+.0%}, {verdict} 25%")
+    for world in args.world_sizes:
+        mine = {r["system"]: r for r in rows if r["world"] == world}
+        if "ddp" in mine:
+            sharded = [s for s in mine if s != "ddp"]
+            ok = all(mine["ddp"]["peak_mib"] > mine[s]["peak_mib"] for s in sharded)
+            print(f"sanity, world {world}: DDP peak {mine['ddp']['peak_mib']:.1f} MiB "
+                  f"{'exceeds' if ok else 'does NOT exceed'} every sharded system's ({', '.join(sharded)})")
+    print(f"total {elapsed:.0f} s", file=sys.stderr)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"config": vars(args), "memory_method": MEMORY_METHOD, "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
