@@ -116,6 +116,8 @@ def _simulate(order: list[tuple[str, fx.Node]], sources: dict[fx.Node, fx.Node],
             start = max(clock, stream_free.get(group, 0.0))
             duration = collective_time(kind, nbytes, ranks, profile)
             stream_free[group] = ends[node] = start + duration
+            # Where collectives take cycles from compute, compute loses that share meanwhile.
+            clock += (1 - profile.comm_overlap) * duration
             busy[group] = busy.get(group, 0.0) + duration
             comm_bytes[kind] += nbytes
             params = tuple(node.meta.get(PARAMS, ()))

@@ -68,6 +68,7 @@ class Measurements:
     peak_flops: dict[str, float]  # FLOP/s per dtype name
     mem_bandwidth: float  # bytes/s
     launch_overhead: float  # seconds
+    comm_overlap: float  # share of a collective's time compute keeps running at full speed
     samples: list[Sample]
     threads: dict[int, int]  # world size -> threads per rank
 
@@ -109,14 +110,38 @@ def _compute_figures(repeats: int, quick: bool) -> dict[str, float]:
     figures = {str(dt).removeprefix("torch."): _matmul_flops(dt, repeats, 0.005 if quick else 0.02) for dt in MATMUL_DTYPES}
     a, b, c = (torch.ones(16 * 2**20) for _ in range(3))  # 64 MiB each, well past the caches
     figures["mem_bandwidth"] = 3 * a.nbytes / statistics.median(_timed(lambda: torch.add(a, b, out=c), repeats))
-    x, calls = torch.ones(1), 200
+    # Per-op overhead as compiled graphs pay it: ATen overloads called from generated code.
+    x, calls, add = torch.ones(1), 200, torch.ops.aten.add.Tensor
 
     def tiny_ops() -> None:
         for _ in range(calls):
-            torch.add(x, x)
+            add(x, x)
 
     figures["launch_overhead"] = statistics.median(_timed(tiny_ops, repeats)) / calls
+    figures["comm_overlap"] = _comm_overlap(repeats)
     return figures
+
+
+def _comm_overlap(repeats: int) -> float:
+    """How much of an all-gather hides behind matmuls issued after it: 1 if running both takes
+    as long as the longer alone, 0 if as long as both in turn (they share the cores)."""
+    w = dist.get_world_size()
+    full, shard = torch.ones(_numel(4 * 2**20, w)), torch.ones(_numel(4 * 2**20, w) // w)
+    a = torch.randn(256, 256)
+
+    def matmuls() -> None:
+        for _ in range(20):
+            torch.mm(a, a)
+
+    def both() -> None:
+        work = _all_gather(full, shard, async_op=True)
+        matmuls()
+        work.wait()
+
+    t_mm = statistics.median(_timed(matmuls, repeats))
+    t_comm = statistics.median(_timed(lambda: _all_gather(full, shard), repeats))
+    t_both = statistics.median(_timed(both, repeats))
+    return min(1.0, max(0.0, (t_mm + t_comm - t_both) / min(t_mm, t_comm)))
 
 
 def _numel(nbytes: int, world_size: int) -> int:
@@ -202,6 +227,7 @@ def measure(
         peak_flops={str(dt).removeprefix("torch."): compute[str(dt).removeprefix("torch.")] for dt in MATMUL_DTYPES},
         mem_bandwidth=compute["mem_bandwidth"],
         launch_overhead=compute["launch_overhead"],
+        comm_overlap=compute["comm_overlap"],
         samples=samples,
         threads={w: _threads(w) for w in world_sizes},
     )
@@ -246,6 +272,7 @@ def fit(measurements: Measurements, name: str = "calibrated") -> DeviceProfile:
         peak_flops=dict(measurements.peak_flops),
         mem_bandwidth=measurements.mem_bandwidth,
         launch_overhead=measurements.launch_overhead,
+        comm_overlap=measurements.comm_overlap,
         ranks_per_node=1024,  # every rank is on this one machine
         intra=Link("gloo-loopback", latency, bandwidth),
         inter=None,

@@ -47,6 +47,9 @@ class DeviceProfile:
     ranks_per_node: ranks that share the ``intra`` link; a group spanning several nodes is
         paced by ``inter`` (None: every rank is on one node).
     source: where the figures come from.
+    comm_overlap: the share of a collective's time during which compute keeps full speed:
+        1 where collectives run on their own engines (GPUs), lower where they take cycles
+        from compute (CPU ranks sharing cores with gloo's threads).
     """
 
     name: str
@@ -58,6 +61,7 @@ class DeviceProfile:
     intra: Link
     inter: Link | None = None
     source: str = ""
+    comm_overlap: float = 1.0
 
     def flops_per_s(self, dtype: torch.dtype) -> float:
         """Peak FLOP/s for ``dtype`` (the float32 figure for unlisted dtypes)."""
@@ -107,16 +111,21 @@ PROFILES: dict[str, DeviceProfile] = {
         inter=uniform_link("infiniband-hdr", latency=5e-6, bandwidth=22.5e9),
         source="NVIDIA A100 SXM4 datasheet; NVIDIA DGX A100 user guide; nccl-tests PERFORMANCE.md (busbw)",
     ),
-    # Placeholder figures for a small CPU machine with gloo over loopback; measure yours
-    # with `python -m autoshard calibrate`.
+    # The 2-core development machine, gloo over loopback, 2 ranks of 1 thread: rounded from
+    # `python -m autoshard calibrate --world-sizes 2` (runs vary by up to 2x in latency).
     "cpu": DeviceProfile(
         name="cpu",
-        peak_flops={"bfloat16": 50e9, "float16": 50e9, "float32": 50e9},
-        mem_bandwidth=10e9,
-        launch_overhead=10e-6,
+        peak_flops={"float32": 60e9, "bfloat16": 1.3e9, "float16": 1.3e9},
+        mem_bandwidth=11e9,
+        launch_overhead=5.5e-6,
         ranks_per_node=1024,
-        intra=uniform_link("loopback", latency=50e-6, bandwidth=2e9),
-        source="rough guesses for a 2-core machine",
+        intra=Link(
+            "gloo-loopback",
+            latency={"all_gather": 500e-6, "reduce_scatter": 1000e-6, "all_reduce": 500e-6},
+            bandwidth={"all_gather": 0.55e9, "reduce_scatter": 0.3e9, "all_reduce": 0.8e9},
+        ),
+        source="measured by python -m autoshard calibrate on the 2-core development VM, 2026-11-29, torch 2.13.0+cpu",
+        comm_overlap=0.6,
     ),
 }
 

@@ -31,6 +31,7 @@ def test_figures_positive_and_finite(measured):
     assert set(profile.peak_flops) == {"float32", "bfloat16", "float16"}
     assert set(profile.intra.latency) == set(profile.intra.bandwidth) == set(COLLECTIVE_KINDS)
     assert all(math.isfinite(x) and x > 0 for x in figures), profile
+    assert 0 <= profile.comm_overlap <= 1
 
 
 def test_run_writes_the_profile(measured, tmp_path, monkeypatch):
