@@ -3,8 +3,9 @@
     autoshard.shard(model)                             # parameters become per-rank shards
     model = torch.compile(model, backend="autoshard")  # the backend does the rest
 """
-from . import ops
+from . import checkpoint, ops
 from .backend import autoshard_backend
+from .checkpoint import full_state_dict, load, save
 from .shard import shard
 
-__all__ = ["autoshard_backend", "ops", "shard"]
+__all__ = ["autoshard_backend", "checkpoint", "full_state_dict", "load", "ops", "save", "shard"]

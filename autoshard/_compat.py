@@ -99,3 +99,18 @@ def fake_process_group(rank: int, world_size: int) -> None:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+
+
+# What a DCP checkpoint's .metadata pickle may reference (module -> names): DCP's metadata
+# classes and the torch types inside them, private names included, as torch 2.13 writes them.
+DCP_METADATA_CLASSES = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+        "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "pathlib": {"Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"},
+    "collections": {"OrderedDict"},
+    "torch": {"Size"} | {name for name, value in vars(torch).items() if isinstance(value, torch.dtype)},
+}

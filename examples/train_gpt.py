@@ -2,6 +2,8 @@
 
     python examples/train_gpt.py                            # starts 2 CPU ranks on gloo itself
     torchrun --nproc-per-node 8 examples/train_gpt.py       # uses the launched group (NCCL on CUDA)
+    python examples/train_gpt.py --steps 10 --save ckpt     # save at the end (--save-every N: also every N steps)
+    python examples/train_gpt.py --world-size 4 --steps 20 --resume ckpt   # go on from step 10 on 4 ranks
 
 Each rank trains on its own slice of every batch and stores 1/world of the parameters,
 gradients and optimizer state; the loss printed is the average over ranks.
@@ -57,9 +59,15 @@ def train(args: argparse.Namespace) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)  # after shard: it sees the shards
     compiled = model if args.compiler == "none" else torch.compile(model, backend="autoshard", options={"compiler": args.compiler})
 
+    start = 0
+    if args.resume:  # any world size: the checkpoint is resharded on load
+        autoshard.load(args.resume, model, optimizer)
+        start = _steps_taken(optimizer)
+        if rank == 0:
+            print(f"resumed from {args.resume} at step {start}", flush=True)
     data = load_corpus()
     per_rank = args.batch_size // world
-    for step in range(args.steps):
+    for step in range(start, args.steps):
         x, y = get_batch(data, step, per_rank * world, model.cfg.block_size)
         mine = slice(rank * per_rank, (rank + 1) * per_rank)
         loss = compiled(x[mine].to(device), y[mine].to(device))
@@ -70,6 +78,10 @@ def train(args: argparse.Namespace) -> None:
         dist.all_reduce(mean_loss)
         if rank == 0:
             print(f"step {step:3d}  loss {mean_loss.item() / world:.4f}", flush=True)
+        if args.save and (step + 1 == args.steps or args.save_every and (step + 1) % args.save_every == 0):
+            autoshard.save(args.save, model, optimizer)  # each rank writes its shards
+            if rank == 0:
+                print(f"saved step {step + 1} to {args.save}", flush=True)
 
     shard_bytes = sum(p.to_local().nbytes for p in model.parameters())
     state_bytes = sum(t.to_local().nbytes for s in optimizer.state.values() for t in s.values() if t.dim() > 0)
@@ -79,6 +91,12 @@ def train(args: argparse.Namespace) -> None:
         for r, (shard, state) in enumerate(t.tolist() for t in per_rank):
             print(f"rank {r}: parameter shard {shard / 1e3:.1f} kB of {full_bytes / 1e3:.1f} kB "
                   f"({shard / full_bytes:.3f}), optimizer state {state / 1e3:.1f} kB", flush=True)
+
+
+def _steps_taken(optimizer: torch.optim.Optimizer) -> int:
+    """Steps the loaded run had taken: AdamW counts them per parameter (batches are seeded by step)."""
+    state = next(iter(optimizer.state.values()), {})
+    return int(state["step"]) if "step" in state else 0
 
 
 def _spawned(rank: int, world: int, init_file: str, args: argparse.Namespace) -> None:
@@ -100,6 +118,9 @@ def main() -> None:
                         help="autoshard's inner compiler (default: inductor on CUDA, aot_eager on CPU, where "
                         "Inductor spends ~30 s compiling C++); 'none' runs the sharded model uncompiled")
     parser.add_argument("--world-size", type=int, default=2, help="CPU ranks to start when not under torchrun")
+    parser.add_argument("--save", metavar="DIR", help="save a checkpoint (model + optimizer) to DIR after the last step")
+    parser.add_argument("--save-every", type=int, default=0, metavar="N", help="with --save: also every N steps")
+    parser.add_argument("--resume", metavar="DIR", help="load the checkpoint in DIR and go on from its step")
     args = parser.parse_args()
     args.compiler = args.compiler or ("inductor" if torch.cuda.is_available() else "aot_eager")
     if "RANK" in os.environ:  # launched by torchrun

@@ -1,0 +1,337 @@
+"""Checkpoints of sharded training that load at any world size.
+
+``save(path, model, optimizer)`` writes the model's and the optimizer's state with
+``torch.distributed.checkpoint`` (DCP): every rank writes only its own DTensor shards, nothing
+is gathered to one rank. Keys are fully qualified names (``model.<fqn>``, ``optim.state.<fqn>.
+exp_avg``, ...) and tensors are stored with their global shapes, so ``load`` reshards: a
+checkpoint saved on 4 ranks loads on 2, on 1 (with or without a process group) or on 8, and
+training continues as if uninterrupted. ``full_state_dict(model)`` gathers one plain state dict.
+
+Guarantees:
+
+* **Atomic save.** Ranks write into the sibling ``.<name>.tmp``; rank 0 adds
+  ``autoshard_manifest.json`` (size and CRC32 of every file) and then, after a barrier, swaps:
+  ``path -> .<name>.old``, ``tmp -> path``, delete ``.old``. A crash before the swap leaves the
+  previous checkpoint at ``path``; a crash between the two renames leaves it at ``.old``, where
+  ``load`` finds it and the next ``save`` puts it back first. ``path`` only ever holds a
+  complete checkpoint.
+* **Checked load.** Before anything is read into the model, ``load`` checks every file against
+  the manifest (truncation, corruption: the error names the keys stored in the bad file) and
+  the checkpoint's keys, shapes and dtypes against what the model and optimizer expect (the
+  error names missing, unexpected and mismatched keys). Tensors are read into temporaries and
+  copied into the model and optimizer only after everything succeeded: a failed ``load``
+  raises ``ValueError`` (bad or mismatched checkpoint) or ``RuntimeError`` (read failure) and
+  leaves both unchanged.
+* **No code runs from the checkpoint.** In torch 2.13 DCP's ``FileSystemReader.read_metadata``
+  reads ``.metadata`` with plain ``pickle.load``, and ``DefaultLoadPlanner.load_bytes`` reads
+  non-tensor values (optimizer hyperparameters) with ``torch.load(weights_only=False)``; both
+  can run arbitrary code. Only tensor payloads are read with ``weights_only=True``. Here
+  ``.metadata`` is read by an unpickler that resolves only an explicit allowlist (DCP's
+  metadata dataclasses, ``torch.Size``, dtypes, layouts, paths), the reader hands DCP that
+  object instead of unpickling again, and non-tensor values are read with
+  ``torch.load(weights_only=True)``. The manifest is JSON.
+
+Checkpoints live on a file system every rank sees. Load verifies each file once (spread over
+the ranks) before DCP reads it, so a load reads the checkpoint about twice.
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import shutil
+import warnings
+import zlib
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor
+
+from ._compat import DCP_METADATA_CLASSES
+
+__all__ = ["save", "load", "full_state_dict"]
+
+_MANIFEST = "autoshard_manifest.json"
+_METADATA = ".metadata"
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)  # optimizer keys by parameter FQN
+_SHOW = 10  # keys named per kind of problem in an error
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if name in DCP_METADATA_CLASSES.get(module, ()):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"checkpoint metadata references {module}.{name}, which is not allowed")
+
+
+class _Reader(dcp.FileSystemReader):
+    """Hands DCP metadata that was already read safely instead of unpickling ``.metadata``."""
+
+    def __init__(self, path: Path, metadata: Metadata) -> None:
+        super().__init__(path)
+        self._metadata = metadata
+
+    def read_metadata(self) -> Metadata:  # type: ignore[override]
+        if self._metadata.storage_meta is None:
+            self._metadata.storage_meta = StorageMeta()
+        self._metadata.storage_meta.load_id = self.load_id
+        return self._metadata
+
+
+class _Planner(dcp.DefaultLoadPlanner):
+    """Reads non-tensor values (optimizer hyperparameters) as plain data only."""
+
+    def __init__(self) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)  # ours are flat
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        self.original_state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank_world() -> tuple[int, int]:
+    return (dist.get_rank(), dist.get_world_size()) if _distributed() else (0, 1)
+
+
+def _barrier() -> None:
+    if _distributed():
+        dist.barrier()
+
+
+@contextmanager
+def _single_process_ok() -> Iterator[None]:
+    """Without a process group DCP warns that it assumes one process: that is the intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _siblings(path: Path) -> tuple[Path, Path]:
+    return path.with_name(f".{path.name}.tmp"), path.with_name(f".{path.name}.old")
+
+
+def _state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """The flat state dict that is saved: ``model.<fqn>`` and ``optim.<flattened key>``.
+
+    With an optimizer whose state is still empty, DCP first initialises it with a zero-lr step.
+    """
+    if optimizer is None:
+        return {f"model.{k}": v for k, v in get_model_state_dict(model).items()}
+    msd, osd = get_state_dict(model, optimizer, options=_FLAT)
+    return {**{f"model.{k}": v for k, v in msd.items()}, **{f"optim.{k}": v for k, v in osd.items()}}
+
+
+def _checksum(file: Path) -> list[int] | None:
+    """``[size, crc32]`` of ``file``, or None if it cannot be read."""
+    try:
+        crc, size = 0, 0
+        with open(file, "rb") as f:
+            while block := f.read(1 << 24):
+                crc, size = zlib.crc32(block, crc), size + len(block)
+        return [size, crc]
+    except OSError:
+        return None
+
+
+def _on_all_ranks(mine: list) -> list:
+    """Concatenate every rank's ``mine`` (in rank order) on every rank."""
+    if not _distributed():
+        return mine
+    gathered: list[list] = [[] for _ in range(dist.get_world_size())]
+    dist.all_gather_object(gathered, mine)
+    return [x for part in gathered for x in part]
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _swap(tmp: Path, path: Path, old: Path) -> None:
+    """Put the complete checkpoint ``tmp`` at ``path`` (rank 0)."""
+    if path.exists():
+        os.replace(path, old)  # a crash from here on leaves the previous checkpoint at .old
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Save ``model`` (and ``optimizer``) to the directory ``path``; a collective on all ranks.
+
+    Each rank writes its own shards. ``path`` is replaced atomically: until the new checkpoint
+    is complete, the previous one stays loadable. An existing ``path`` that is not a checkpoint
+    is never replaced (``ValueError``). ``model`` may be the sharded module or its compiled
+    wrapper: the keys are the same.
+    """
+    path = Path(path)
+    tmp, old = _siblings(path)
+    rank, world = _rank_world()
+    if path.exists() and not (path / _MANIFEST).exists():  # checked on every rank: all raise
+        raise ValueError(f"{path} exists and is not an autoshard checkpoint; not replacing it")
+    if rank == 0:
+        if old.exists() and not path.exists():  # an earlier save crashed between its renames
+            os.replace(old, path)
+        shutil.rmtree(old, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    _barrier()
+    with _single_process_ok():
+        dcp.save(_state_dict(model, optimizer), storage_writer=dcp.FileSystemWriter(tmp), no_dist=not _distributed())
+    names = sorted(p.name for p in tmp.iterdir())  # dcp.save returns once every file is written
+    sums = _on_all_ranks([(n, _checksum(tmp / n)) for n in names[rank::world]])
+    if rank == 0:
+        with open(tmp / _MANIFEST, "w") as f:
+            json.dump({"format": 1, "files": dict(sums)}, f)
+            f.flush()
+            os.fsync(f.fileno())
+    _barrier()
+    if rank == 0:
+        _swap(tmp, path, old)
+    _barrier()
+
+
+def _read_checked(path: Path) -> tuple[dict[str, list[int]], Metadata]:
+    """The manifest's file checksums and the (checksum-verified, safely unpickled) metadata."""
+    try:
+        files = json.loads((path / _MANIFEST).read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path} is not a complete autoshard checkpoint: no valid {_MANIFEST} ({e})") from e
+    if _checksum(path / _METADATA) != files.get(_METADATA):
+        raise ValueError(f"checkpoint {path}: {_METADATA} is missing, truncated or corrupted (checksum differs)")
+    try:
+        with open(path / _METADATA, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+    except Exception as e:
+        raise ValueError(f"checkpoint {path}: cannot read {_METADATA}: {e}") from e
+    if not isinstance(metadata, Metadata):
+        raise ValueError(f"checkpoint {path}: {_METADATA} holds {type(metadata).__name__}, not DCP Metadata")
+    return files, metadata
+
+
+def _listing(kind: str, keys: list[str]) -> str:
+    more = f" and {len(keys) - _SHOW} more" if len(keys) > _SHOW else ""
+    return f"{kind} ({len(keys)}): {', '.join(keys[:_SHOW])}{more}"
+
+
+def _compare(path: Path, expected: dict[str, Any], metadata: Metadata, prefixes: tuple[str, ...]) -> None:
+    """Raise ValueError naming every key the checkpoint lacks, adds or stores differently."""
+    stored = metadata.state_dict_metadata
+    missing = sorted(k for k in expected if k not in stored)
+    unexpected = sorted(k for k in stored if k.startswith(prefixes) and k not in expected)
+    mismatched = []
+    for key, want in expected.items():
+        have = stored.get(key)
+        if have is None:
+            continue
+        if isinstance(want, torch.Tensor):
+            if not isinstance(have, TensorStorageMetadata):
+                mismatched.append(f"{key} (not a tensor in the checkpoint)")
+            elif tuple(have.size) != tuple(want.shape) or have.properties.dtype != want.dtype:
+                mismatched.append(f"{key} (checkpoint {have.properties.dtype} {list(have.size)}, "
+                                  f"expected {want.dtype} {list(want.shape)})")
+        elif not isinstance(have, BytesStorageMetadata):
+            mismatched.append(f"{key} (a tensor in the checkpoint, expected {type(want).__name__})")
+    problems = [_listing(kind, keys) for kind, keys in
+                (("missing", missing), ("unexpected", unexpected), ("mismatched", sorted(mismatched))) if keys]
+    if problems:
+        raise ValueError(f"checkpoint {path} does not match the model/optimizer: " + "; ".join(problems))
+
+
+def _verify_files(path: Path, files: dict[str, list[int]], metadata: Metadata) -> None:
+    """Check every data file against the manifest (each rank a share); all ranks raise alike."""
+    rank, world = _rank_world()
+    where: dict[str, set[str]] = {}
+    for index, info in metadata.storage_data.items():
+        where.setdefault(info.relative_path, set()).add(index.fqn)
+    names = sorted(set(files) | set(where))
+    outside = [n for n in names if Path(n).name != n or n in ("", ".", "..")]
+    if outside:
+        raise ValueError(f"checkpoint {path}: files outside the checkpoint directory: {outside}")
+    bad = _on_all_ranks([n for n in names[rank::world] if n not in files or _checksum(path / n) != files[n]])
+    if bad:
+        keys = sorted(k for n in bad for k in where.get(n, ()))
+        raise ValueError(f"checkpoint {path}: files {bad} are missing, truncated or corrupted "
+                         f"(size or CRC32 differs from {_MANIFEST}); " + _listing("keys stored there", keys))
+
+
+def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Load a checkpoint written by :func:`save` into ``model`` (and ``optimizer``); a collective.
+
+    The world size and sharding may differ from the saving run's: tensors are resharded. The
+    checkpoint must hold exactly the model's keys (and the optimizer's, if given; optimizer
+    entries are ignored when it is not), with the same global shapes and dtypes. On any error,
+    ``model`` and ``optimizer`` are left unchanged. The optimizer's hyperparameters (lr, ...)
+    are restored from the checkpoint, as with ``Optimizer.load_state_dict``. Parameters are
+    updated in place (a compiled model and the optimizer keep working); reading goes through
+    temporaries, so a rank briefly holds a second copy of its shards and optimizer state.
+    """
+    path = Path(path)
+    old = _siblings(path)[1]
+    if not (path / _MANIFEST).exists() and old.exists():
+        path = old  # a save crashed after moving the previous checkpoint aside
+    if not path.exists():
+        raise FileNotFoundError(f"no checkpoint at {path}")
+    fresh = optimizer is not None and not optimizer.state
+    grads = {}
+    if fresh:  # DCP initialises empty optimizer state with a zero-lr step, which needs no grads
+        grads = {p: p.grad for g in optimizer.param_groups for p in g["params"]}
+        for p in grads:
+            p.grad = None
+    try:
+        files, metadata = _read_checked(path)
+        expected = _state_dict(model, optimizer)
+        _compare(path, expected, metadata, ("model.", "optim.") if optimizer is not None else ("model.",))
+        _verify_files(path, files, metadata)
+        loaded = {k: torch.empty_like(v) if isinstance(v, torch.Tensor) else v for k, v in expected.items()}
+        try:
+            with _single_process_ok():
+                dcp.load(loaded, storage_reader=_Reader(path, metadata), planner=_Planner(), no_dist=not _distributed())
+        except dcp.CheckpointException as e:  # a BaseException: make it an ordinary error
+            raise RuntimeError(f"reading checkpoint {path} failed: {e}") from None
+    except BaseException:
+        if fresh:
+            optimizer.state.clear()  # back to the empty state it had
+        raise
+    finally:
+        for p, g in grads.items():
+            p.grad = g
+    set_model_state_dict(model, {k[len("model."):]: v for k, v in loaded.items() if k.startswith("model.")})
+    if optimizer is not None:
+        optim = {k[len("optim."):]: v for k, v in loaded.items() if k.startswith("optim.")}
+        set_optimizer_state_dict(model, optimizer, optim, options=_FLAT)
+
+
+def full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, torch.Tensor]:
+    """The unsharded model state dict as plain CPU tensors (keys as ``model.state_dict()``).
+
+    A collective: each DTensor is gathered in turn, so a rank holds one full parameter at a
+    time plus the result. Loads into the unsharded model with ``load_state_dict(strict=True)``.
+    With ``rank0_only`` the other ranks get ``{}``.
+    """
+    keep = not rank0_only or _rank_world()[0] == 0
+    out: dict[str, torch.Tensor] = {}
+    for key, value in get_model_state_dict(model).items():
+        full = value.full_tensor() if isinstance(value, DTensor) else value  # all ranks take part
+        if keep:
+            out[key] = full.detach().to("cpu", copy=True)
+    return out
