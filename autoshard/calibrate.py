@@ -68,6 +68,7 @@ class Measurements:
     peak_flops: dict[str, float]  # FLOP/s per dtype name
     mem_bandwidth: float  # bytes/s
     launch_overhead: float  # seconds
+    op_overhead: float  # seconds
     comm_overlap: float  # share of a collective's time compute keeps running at full speed
     samples: list[Sample]
     threads: dict[int, int]  # world size -> threads per rank
@@ -106,18 +107,25 @@ def _matmul_flops(dtype: torch.dtype, repeats: int, min_seconds: float) -> float
     return 2 * n**3 / statistics.median(_timed(lambda: torch.mm(a, b), repeats))
 
 
-def _compute_figures(repeats: int, quick: bool) -> dict[str, float]:
-    figures = {str(dt).removeprefix("torch."): _matmul_flops(dt, repeats, 0.005 if quick else 0.02) for dt in MATMUL_DTYPES}
+def _compute_figures(repeats: int) -> dict[str, float]:
+    # Matmuls of about a millisecond, the size of a small model's layers: big ones run faster.
+    figures = {str(dt).removeprefix("torch."): _matmul_flops(dt, repeats, 0.001) for dt in MATMUL_DTYPES}
     a, b, c = (torch.ones(16 * 2**20) for _ in range(3))  # 64 MiB each, well past the caches
     figures["mem_bandwidth"] = 3 * a.nbytes / statistics.median(_timed(lambda: torch.add(a, b, out=c), repeats))
-    # Per-op overhead as compiled graphs pay it: ATen overloads called from generated code.
-    x, calls, add = torch.ones(1), 200, torch.ops.aten.add.Tensor
+    # Overheads as aot_eager graphs pay them: ATen overloads called one by one from Python.
+    # A view is the call alone; a tiny add adds the kernel launch.
+    x, calls = torch.ones(1), 200
 
-    def tiny_ops() -> None:
-        for _ in range(calls):
-            add(x, x)
+    def calls_of(op: Callable, *args: Any) -> Callable[[], None]:
+        def run() -> None:
+            for _ in range(calls):
+                op(*args)
 
-    figures["launch_overhead"] = statistics.median(_timed(tiny_ops, repeats)) / calls
+        return run
+
+    figures["op_overhead"] = statistics.median(_timed(calls_of(torch.ops.aten.view.default, x, [1]), repeats)) / calls
+    add = statistics.median(_timed(calls_of(torch.ops.aten.add.Tensor, x, x), repeats)) / calls
+    figures["launch_overhead"] = max(0.0, add - figures["op_overhead"])
     figures["comm_overlap"] = _comm_overlap(repeats)
     return figures
 
@@ -170,10 +178,10 @@ def _collective_times(sizes: Sequence[int], repeats: int) -> dict[tuple[str, int
     return times
 
 
-def _rank_work(sizes: Sequence[int], repeats: int, compute: bool, quick: bool) -> dict[str, Any]:
+def _rank_work(sizes: Sequence[int], repeats: int, compute: bool) -> dict[str, Any]:
     torch.set_num_threads(_threads(dist.get_world_size()))
     with torch.no_grad():
-        figures = _compute_figures(repeats, quick) if compute else {}
+        figures = _compute_figures(repeats) if compute else {}
         return {"compute": figures, "collectives": _collective_times(sizes, repeats)}
 
 
@@ -217,7 +225,7 @@ def measure(
     samples: list[Sample] = []
     compute: dict[str, float] = {}
     for i, w in enumerate(world_sizes):
-        results = _run_ranks(w, (sizes, repeats, i == 0, quick))
+        results = _run_ranks(w, (sizes, repeats, i == 0))
         if i == 0:
             compute = {key: statistics.median(r["compute"][key] for r in results) for key in results[0]["compute"]}
         for kind, nbytes in results[0]["collectives"]:
@@ -227,6 +235,7 @@ def measure(
         peak_flops={str(dt).removeprefix("torch."): compute[str(dt).removeprefix("torch.")] for dt in MATMUL_DTYPES},
         mem_bandwidth=compute["mem_bandwidth"],
         launch_overhead=compute["launch_overhead"],
+        op_overhead=compute["op_overhead"],
         comm_overlap=compute["comm_overlap"],
         samples=samples,
         threads={w: _threads(w) for w in world_sizes},
@@ -272,6 +281,7 @@ def fit(measurements: Measurements, name: str = "calibrated") -> DeviceProfile:
         peak_flops=dict(measurements.peak_flops),
         mem_bandwidth=measurements.mem_bandwidth,
         launch_overhead=measurements.launch_overhead,
+        op_overhead=measurements.op_overhead,
         comm_overlap=measurements.comm_overlap,
         ranks_per_node=1024,  # every rank is on this one machine
         intra=Link("gloo-loopback", latency, bandwidth),
@@ -314,7 +324,8 @@ def fit_report(profile: DeviceProfile, measurements: Measurements) -> str:
     ]
     compute = (
         f"matmul GFLOP/s: {', '.join(f'{k} {v / 1e9:.3g}' for k, v in profile.peak_flops.items())}; "
-        f"memory {profile.mem_bandwidth / 1e9:.3g} GB/s; launch overhead {profile.launch_overhead * 1e6:.3g} us"
+        f"memory {profile.mem_bandwidth / 1e9:.3g} GB/s; launch overhead {profile.launch_overhead * 1e6:.3g} us, "
+        f"op overhead {profile.op_overhead * 1e6:.3g} us, comm overlap {profile.comm_overlap:.2f}"
     )
     return "\n\n".join([
         compute,
@@ -346,7 +357,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where to write the profile; a .json name lets --profile / get_profile read it (default: profile.json)")
     parser.add_argument("--name", default="calibrated", help="the profile's name (default: calibrated)")
     parser.add_argument("--repeats", type=int, default=None, help="timed calls per measurement (default: 5; 3 with --quick)")
-    parser.add_argument("--quick", action="store_true", help="fewer sizes and repeats, smaller matmuls: a rough profile fast")
+    parser.add_argument("--quick", action="store_true", help="fewer sizes and repeats: a rough profile fast")
 
 
 def run(args: argparse.Namespace) -> int:

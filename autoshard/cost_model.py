@@ -44,6 +44,8 @@ class DeviceProfile:
     peak_flops: FLOP/s per dtype name ("float32", "bfloat16", ...); unlisted dtypes use float32's.
     mem_bandwidth: device memory bytes/s.
     launch_overhead: seconds added to every compute kernel, so tiny ops are not free.
+    op_overhead: seconds every ATen call of the graph costs, views included, when the graph
+        runs op by op from Python (aot_eager); 0 where the compiler fuses the graph into kernels.
     ranks_per_node: ranks that share the ``intra`` link; a group spanning several nodes is
         paced by ``inter`` (None: every rank is on one node).
     source: where the figures come from.
@@ -62,6 +64,7 @@ class DeviceProfile:
     inter: Link | None = None
     source: str = ""
     comm_overlap: float = 1.0
+    op_overhead: float = 0.0
 
     def flops_per_s(self, dtype: torch.dtype) -> float:
         """Peak FLOP/s for ``dtype`` (the float32 figure for unlisted dtypes)."""
@@ -115,9 +118,10 @@ PROFILES: dict[str, DeviceProfile] = {
     # `python -m autoshard calibrate --world-sizes 2` (runs vary by up to 2x in latency).
     "cpu": DeviceProfile(
         name="cpu",
-        peak_flops={"float32": 60e9, "bfloat16": 1.3e9, "float16": 1.3e9},
-        mem_bandwidth=11e9,
-        launch_overhead=5.5e-6,
+        peak_flops={"float32": 45e9, "bfloat16": 1.5e9, "float16": 1.5e9},
+        mem_bandwidth=10e9,
+        launch_overhead=0.5e-6,
+        op_overhead=5.5e-6,
         ranks_per_node=1024,
         intra=Link(
             "gloo-loopback",
@@ -125,7 +129,7 @@ PROFILES: dict[str, DeviceProfile] = {
             bandwidth={"all_gather": 0.55e9, "reduce_scatter": 0.3e9, "all_reduce": 0.8e9},
         ),
         source="measured by python -m autoshard calibrate on the 2-core development VM, 2026-11-29, torch 2.13.0+cpu",
-        comm_overlap=0.6,
+        comm_overlap=0.7,
     ),
 }
 
@@ -214,26 +218,23 @@ def _compute_dtype(node: fx.Node) -> torch.dtype:
 
 
 def node_time(node: fx.Node, profile: str | DeviceProfile) -> float:
-    """Seconds one compute node takes: ``launch_overhead + max(flops / peak, bytes / mem_bw)``.
+    """Seconds one compute node takes:
+    ``op_overhead + launch_overhead + max(flops / peak, bytes / mem_bw)``.
 
     bytes = tensor input bytes + output bytes; peak is for the dtype of the first floating
-    point input. Zero for placeholders, outputs, get_attr, getitem, views (they allocate and
-    move nothing), nodes producing no tensor (shape arithmetic), anything that is not an
-    ATen-style OpOverload, and every ``_c10d_functional`` op (costed by
+    point input. Views and ATen calls producing no tensor (shape arithmetic) launch no kernel
+    and cost only ``op_overhead``. Zero for placeholders, outputs, get_attr, getitem, anything
+    that is not an ATen-style OpOverload, and every ``_c10d_functional`` op (costed by
     :func:`collective_time` instead).
     """
-    if (
-        node.op != "call_function"
-        or not hasattr(node.target, "overloadpacket")  # getitem, builtins, higher-order ops
-        or is_alias(node)
-        or _is_c10d(node)
-        or not _tensors(node.meta.get("val"))
-    ):
-        return 0.0
+    if node.op != "call_function" or not hasattr(node.target, "overloadpacket") or _is_c10d(node):
+        return 0.0  # getitem, builtins, higher-order ops: no ATen call
     profile = get_profile(profile)
+    if is_alias(node) or not _tensors(node.meta.get("val")):
+        return profile.op_overhead
     nbytes = tensor_bytes(node.meta.get("val")) + sum(tensor_bytes(arg.meta.get("val")) for arg in _input_nodes(node))
     flop_time = node_flops(node) / profile.flops_per_s(_compute_dtype(node))
-    return profile.launch_overhead + max(flop_time, nbytes / profile.mem_bandwidth)
+    return profile.op_overhead + profile.launch_overhead + max(flop_time, nbytes / profile.mem_bandwidth)
 
 
 def _input_nodes(node: fx.Node) -> list[fx.Node]:

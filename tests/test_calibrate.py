@@ -26,12 +26,12 @@ def measured():
 
 def test_figures_positive_and_finite(measured):
     _, profile = measured
-    figures = [*profile.peak_flops.values(), profile.mem_bandwidth, profile.launch_overhead]
+    figures = [*profile.peak_flops.values(), profile.mem_bandwidth, profile.op_overhead]
     figures += [*profile.intra.latency.values(), *profile.intra.bandwidth.values()]
     assert set(profile.peak_flops) == {"float32", "bfloat16", "float16"}
     assert set(profile.intra.latency) == set(profile.intra.bandwidth) == set(COLLECTIVE_KINDS)
     assert all(math.isfinite(x) and x > 0 for x in figures), profile
-    assert 0 <= profile.comm_overlap <= 1
+    assert 0 <= profile.comm_overlap <= 1 and 0 <= profile.launch_overhead < 1e-3
 
 
 def test_run_writes_the_profile(measured, tmp_path, monkeypatch):

@@ -2,6 +2,7 @@
 GPT's real forward/backward graphs at world size 8 (fake process group, one process)."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 
@@ -128,6 +129,17 @@ def test_elementwise_time_is_memory_bound_and_views_are_free():
     assert node_flops(add) == 0
     assert node_time(add, h100) == pytest.approx(h100.launch_overhead + 3 * 4 * 2**20 / h100.mem_bandwidth)
     assert node_time(x, h100) == node_time(view, h100) == 0
+
+
+def test_op_overhead_charges_every_aten_call_views_included():
+    g = Builder()
+    x = g.input("x", 1024, 1024)
+    add = g(aten.add.Tensor, x, x)
+    view = g(aten.view.default, add, [1024 * 1024])
+    eager = dataclasses.replace(get_profile("h100"), op_overhead=1e-5)  # as if run op by op from Python
+    assert node_time(view, eager) == 1e-5
+    assert node_time(add, eager) == pytest.approx(1e-5 + node_time(add, "h100"))
+    assert node_time(x, eager) == 0
 
 
 def test_collective_time():
