@@ -13,6 +13,7 @@ import torch._dynamo
 import torch._functorch.config as functorch_config
 import torch._inductor.config as inductor_config
 from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.utils import counters as dynamo_counters
 from torch._functorch.aot_autograd import make_boxed_func
 import torch._inductor.fx_passes.overlap_scheduling as overlap_scheduling
 from torch._functorch.partitioners import min_cut_rematerialization_partition
@@ -33,6 +34,7 @@ __all__ = [
     "run_and_get_code",
     "aot_autograd",
     "c10d",
+    "dynamo_counters",
     "compile_fx",
     "compile_fx_inner",
     "functorch_config",

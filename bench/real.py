@@ -28,12 +28,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from tabulate import tabulate
-from torch._dynamo.utils import counters
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import autoshard  # noqa: E402
+from autoshard._compat import dynamo_counters as counters  # noqa: E402
 from autoshard.analysis import analyze  # noqa: E402
 from autoshard.dump import recording  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
