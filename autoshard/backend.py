@@ -76,9 +76,10 @@ def _mib(value: float | None) -> int | None:
     return None if value is None else int(value * 2**20)
 
 
-def _finish(gm: fx.GraphModule, stage: str, dump: GraphDump, opts: Options) -> fx.GraphModule:
+def _finish(gm: fx.GraphModule, stage: str, dump: GraphDump, opts: Options, inference: bool = False) -> fx.GraphModule:
     """Lower (a graph compiled without autograd never went through the joint pass), bucket
-    and schedule one partitioned graph, check all ranks agree on it, and dump it."""
+    and schedule one partitioned graph, check all ranks agree on it, and dump it (with the
+    report once the graph's last stage is done)."""
     lower_annotations(gm)
     compute_time, comm_time = estimators(_profile(gm, opts))
     if opts.schedule in ("autoshard", "fsdp2"):
@@ -92,6 +93,8 @@ def _finish(gm: fx.GraphModule, stage: str, dump: GraphDump, opts: Options) -> f
         inductor_schedule(gm, lambda n: 0.0 if is_copy(n) else compute_time(n), comm_time)
     check_ranks_agree(gm, stage)
     dump.write(stage, gm)
+    if stage == "backward" or inference:
+        dump.write_report(_profile(gm, opts))
     return gm
 
 
@@ -119,7 +122,7 @@ def autoshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options
 
             def inner_compile(g: fx.GraphModule, inputs: Sequence[Any], **kwargs: Any) -> Any:
                 stage = "backward" if kwargs.get("is_backward") else "forward"
-                g = _finish(g, stage, dump, opts)
+                g = _finish(g, stage, dump, opts, kwargs.get("is_inference", False))
                 if opts.schedule == "none":
                     return compile_fx_inner(g, inputs, **kwargs)
                 # Inductor must keep the order the schedule chose.
@@ -128,14 +131,14 @@ def autoshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options
 
             return compile_fx(gm, example_inputs, inner_compile=inner_compile)
 
-        def compiler(stage: str) -> Callable:
-            return lambda g, _inputs: make_boxed_func(_finish(g, stage, dump, opts).forward)
+        def compiler(stage: str, inference: bool = False) -> Callable:
+            return lambda g, _inputs: make_boxed_func(_finish(g, stage, dump, opts, inference).forward)
 
         # No decompositions: aot_eager runs the same ATen kernels as eager, bit for bit.
         return aot_autograd(
             fw_compiler=compiler("forward"),
             bw_compiler=compiler("backward"),
-            inference_compiler=compiler("forward"),
+            inference_compiler=compiler("forward", inference=True),
             partition_fn=min_cut_rematerialization_partition,
         )(gm, example_inputs)
 

@@ -8,10 +8,13 @@ import itertools
 import os
 import warnings
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch.distributed as dist
 from torch import fx
+
+if TYPE_CHECKING:
+    from .cost_model import DeviceProfile
 
 _graph_ids = itertools.count()
 _recordings: list[list[dict[str, fx.GraphModule]]] = []
@@ -44,10 +47,25 @@ class GraphDump:
             os.makedirs(self.folder, exist_ok=True)
 
     def write(self, stage: str, gm: fx.GraphModule) -> None:
-        if _recordings:  # a copy: later passes and Inductor change graphs in place
+        # A copy (later passes and Inductor change graphs in place), for recordings and for
+        # the debug_dir report.
+        if _recordings or self.folder is not None:
             with warnings.catch_warnings():  # copying a graph's pytree specs warns of a deprecation inside torch
                 warnings.simplefilter("ignore", FutureWarning)
                 self.stages[stage] = fx.GraphModule(gm, copy.deepcopy(gm.graph))
         if self.folder is not None:
             code = gm.print_readable(print_output=False, include_stride=True, include_device=True)
             (self.folder / f"{stage}.py").write_text(code)
+
+    def write_report(self, profile: str | DeviceProfile) -> None:
+        """With a debug_dir: ``report.html``, ``trace.json`` and ``summary.txt`` of the stages
+        written so far (:class:`autoshard.report.Report`). A report that fails only warns: it
+        must not stop the compile it describes."""
+        if self.folder is None:
+            return
+        from .report import Report
+
+        try:
+            Report(self.stages, profile, title=str(self.folder)).save(self.folder)
+        except Exception as e:  # noqa: BLE001
+            warnings.warn(f"autoshard: could not write the report in {self.folder}: {type(e).__name__}: {e}", stacklevel=2)

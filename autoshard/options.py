@@ -1,7 +1,8 @@
 """The backend's options: ``torch.compile(model, backend="autoshard", options={...})``."""
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import os
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 COMPILERS = ("inductor", "aot_eager", "eager")
@@ -16,7 +17,8 @@ class Options:
         "eager" (run the captured graph as is, with blocking collectives).
     reshard_after_forward: overrides the value given to ``autoshard.shard`` for every
         parameter; ``None`` keeps each parameter's own.
-    debug_dir: write each compiled graph's stages as Python code under this folder.
+    debug_dir: write each compiled graph's stages as Python code, and its report, under this
+        folder; default: the AUTOSHARD_DEBUG_DIR environment variable, if set.
     schedule: "autoshard" (bucket by module structure, prefetch by the cost model, bounded
         memory); for comparisons on identical graphs: "none" (the lowered graph: gather at
         use, reduce at end), "fsdp2" (FSDP2's policy: the same buckets, always prefetch the next
@@ -32,7 +34,7 @@ class Options:
 
     compiler: str = "inductor"
     reshard_after_forward: bool | None = None
-    debug_dir: str | None = None
+    debug_dir: str | None = field(default_factory=lambda: os.environ.get("AUTOSHARD_DEBUG_DIR") or None)
     schedule: str = "autoshard"
     bucket_mb: float | None = None
     max_inflight_mb: float | None = None

@@ -55,7 +55,8 @@ def test_debug_dir_holds_every_stage_as_python(tmp_path):
     model = torch.compile(torch.nn.Linear(4, 2), backend="autoshard", options={"compiler": "aot_eager", "debug_dir": str(tmp_path)})
     model(torch.ones(1, 4)).sum().backward()
     (folder,) = (tmp_path / "rank0").iterdir()
-    stages = {p.stem for p in folder.iterdir()}
+    stages = {p.stem for p in folder.glob("*.py")}
     assert stages == {"captured", "joint", "lowered", "forward_bucketed", "backward_bucketed", "forward", "backward"}
-    for path in folder.iterdir():
+    for path in folder.glob("*.py"):
         compile(path.read_text(), str(path), "exec")  # parses as Python
+    assert {"report.html", "trace.json", "summary.txt"} <= {p.name for p in folder.iterdir()}  # and the report

@@ -1,0 +1,163 @@
+"""autoshard.explain, the Report (summary, HTML, Chrome trace), the debug_dir report and the
+``autoshard explain`` command, on a 2-layer x 64 GPT at world size 8."""
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+import autoshard
+from autoshard.analysis import analyze
+from autoshard.cli import main
+from autoshard.explain import add_arguments
+from autoshard.report import STAGES, Report, _fmt_bytes, _fmt_time
+from fake_pg import captured_graphs, fake_world
+from models import build
+from train_gpt import build_model
+
+ROOT = Path(__file__).resolve().parents[1]
+FACTORY = f"{ROOT / 'examples' / 'train_gpt.py'}:build_model"
+
+
+@pytest.fixture(scope="module")
+def report() -> Report:
+    tokens = torch.zeros(1, 64, dtype=torch.long)
+    return autoshard.explain(build_model, tokens, tokens, world_size=8, profile="h100")
+
+
+def test_the_report_lists_every_stage_as_python(report):
+    assert tuple(report.stages) == STAGES
+    for stage in STAGES:
+        ast.parse(report.code(stage))  # readable code that parses
+    assert [(p.before, p.after) for p in report.passes] == [
+        ("captured", "joint"), ("joint", "lowered"), ("lowered", "forward_bucketed"), ("forward_bucketed", "forward"),
+        ("lowered", "backward_bucketed"), ("backward_bucketed", "backward"),
+    ]
+    lower, fw_bucket, fw_schedule = report.passes[1], report.passes[2], report.passes[3]
+    assert lower.added["_c10d_functional.all_gather_into_tensor.default"] == lower.removed["autoshard.unshard.default"] - 1  # tied: once
+    n, params = fw_bucket.collectives["all_gather"]
+    assert n < params == report.metrics["sharded_tensors"]  # buckets formed
+    assert fw_schedule.added == fw_schedule.removed == {} and fw_schedule.moved > 0  # the schedule only reorders
+    assert "buckets" not in fw_schedule.text() and "bucketed" in fw_bucket.text()
+
+
+def test_the_summary_holds_the_simulators_numbers(report):
+    a = analyze(report.stages["forward"], report.stages["backward"], "h100")
+    assert a == report.analysis
+    m = report.metrics
+    assert m["parameters"] == sum(p.numel() for p in build_model().parameters())
+    assert (m["step_time"], m["exposed_comm"], m["overlap_ratio"], m["peak_bytes"]) == (a.step_time, a.exposed_comm, a.overlap_ratio, a.peak_bytes)
+    assert m["comm_bytes"] == a.comm_bytes and m["bytes_per_parameter"] == a.peak_bytes / m["parameters"]
+    assert m["step_gap"] == a.step_time / a.step_lower_bound - 1 and m["memory_gap"] == a.peak_bytes / a.memory_lower_bound - 1
+    assert sum(m["collectives"].values()) == sum(1 for e in a.timeline if e.lane != "compute")
+    text = report.summary()
+    for value in (_fmt_time(a.step_time), _fmt_time(a.exposed_comm), f"{a.overlap_ratio:.3f}", _fmt_bytes(a.peak_bytes),
+                  f"{m['parameters']:,}", f"gap {100 * m['step_gap']:.1f}%", f"gap {100 * m['memory_gap']:.1f}%"):
+        assert value in text
+
+
+def test_the_html_page_has_one_item_per_collective_and_the_memory_curve(report, tmp_path):
+    report.save_html(tmp_path / "r.html")
+    page = (tmp_path / "r.html").read_text()
+    collectives = report.collectives()
+    assert len(collectives) == 5  # 2 forward gathers, 1 backward re-gather, 2 reduce-scatters
+    assert page.count('<g class="collective ') == len(collectives)
+    for e in collectives:  # linked to its bucket row, which names its parameters
+        assert f'href="#c-{e.stage}-{e.name}"' in page and f'id="c-{e.stage}-{e.name}"' in page
+        assert ", ".join(e.params) in page
+    assert page.count('<polyline class="memory"') == 1 and page.count('class="peak"') == 1
+    assert not re.search(r"<script|<link|src=|url\(|href=\"http", page)  # self-contained
+
+
+def test_the_chrome_trace_has_an_event_per_collective_and_compute_group(report, tmp_path):
+    report.save_chrome_trace(tmp_path / "t.json")
+    events = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    by_cat = lambda cat: [e for e in events if e["ph"] == "X" and e.get("cat") == cat]  # noqa: E731
+    assert len(by_cat("collective")) == len(report.collectives())
+    assert len(by_cat("compute")) == len(report.compute_groups()) > 0
+    assert sum(e["args"]["nodes"] for e in by_cat("compute")) == sum(1 for e in report.analysis.timeline if e.lane == "compute")
+    assert {e["args"]["kind"] for e in by_cat("collective")} == {"all_gather", "reduce_scatter"}
+    assert all(e["args"]["params"] for e in by_cat("collective"))
+    assert all(e["ts"] >= 0 and e["dur"] >= 0 for e in events if e["ph"] == "X")
+    threads = {e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    assert threads == {"stage", "compute", "comm:0"}
+    assert max(e["args"]["live MiB"] for e in events if e["ph"] == "C") == report.analysis.peak_bytes / 2**20
+
+
+def test_explain_leaves_no_process_group_and_refuses_a_live_one(report):
+    assert not dist.is_initialized()
+    with fake_world(2), pytest.raises(RuntimeError, match="own fake process group"):
+        autoshard.explain(build_model, torch.zeros(1, 8, dtype=torch.long))
+
+
+def test_a_module_is_copied_graph_breaks_give_a_report_each_and_inference_has_no_backward():
+    model = build("graph_break")
+    x, y = torch.randn(2, 16), torch.randn(2, 1)
+    reports = autoshard.explain_graphs(model, x, y, world_size=4)
+    assert len(reports) == 2 and all("backward" in r.stages for r in reports)
+    assert not any(isinstance(p, DTensor) for p in model.parameters())  # the caller's module is untouched
+    with torch.no_grad():
+        inference = autoshard.explain(build("mlp"), x, y, world_size=4)
+    assert tuple(inference.stages) == ("captured", "forward_bucketed", "forward")
+    assert inference.backward_start() is None and inference.collectives()
+
+
+def test_a_debug_dir_compile_writes_the_report(tmp_path, monkeypatch):
+    monkeypatch.setenv("AUTOSHARD_DEBUG_DIR", str(tmp_path))  # the default of the debug_dir option
+    torch._dynamo.reset()
+    with fake_world(8), captured_graphs() as graphs:
+        model = autoshard.shard(build("gpt"))
+        idx = torch.randint(0, 64, (1, 16))
+        torch.compile(model, backend="autoshard", options={"compiler": "aot_eager", "profile": "h100"})(idx, idx).backward()
+        expected = Report(graphs.compiled[0], "h100").summary().split("\n", 1)[1]
+    (folder,) = (tmp_path / "rank0").iterdir()
+    assert {"report.html", "trace.json", "summary.txt", "forward.py", "backward.py"} <= {p.name for p in folder.iterdir()}
+    assert expected in (folder / "summary.txt").read_text()
+    json.loads((folder / "trace.json").read_text())
+
+
+def test_the_cli_explains_the_example(tmp_path, capsys):
+    html, trace = tmp_path / "out.html", tmp_path / "out.json"
+    assert main(["explain", FACTORY, "--world-size", "64", "--html", str(html), "--trace", str(trace)]) == 0
+    out = capsys.readouterr().out
+    assert "world size 64" in out and "step time (predicted)" in out and f"wrote {html}" in out
+    assert html.read_text().startswith("<!DOCTYPE html>") and json.loads(trace.read_text())["traceEvents"]
+
+
+def test_the_cli_help_documents_every_flag(capsys):
+    with pytest.raises(SystemExit) as exit:
+        main(["explain", "--help"])
+    assert exit.value.code == 0
+    text = capsys.readouterr().out
+    flags = ["--world-size", "--profile", "--batch", "--seq", "--input-shape", "--input-dtype", "--schedule", "--bucket-mb",
+             "--max-inflight-mb", "--no-reshard-after-forward", "--html", "--trace", "--dump-dir", "--passes"]
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    documented = {o for a in parser._actions if a.help for o in a.option_strings}
+    assert set(flags) <= documented and all(a.help for a in parser._actions)
+    assert all(flag in text for flag in flags)
+
+
+@pytest.mark.parametrize("spec", ["examples/nope.py:build_model", "examples/train_gpt.py:nope", "examples/train_gpt.py"])
+def test_a_bad_factory_is_a_one_line_error(spec):
+    with pytest.raises(SystemExit) as exit:
+        main(["explain", spec])
+    message = exit.value.code
+    assert isinstance(message, str) and "\n" not in message and message.startswith("autoshard explain: ")
+
+
+def test_the_console_command_exits_nonzero_on_a_bad_factory():
+    proc = subprocess.run([sys.executable, "-m", "autoshard", "explain", "examples/train_gpt.py:nope"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and proc.stdout == ""
+    assert proc.stderr.strip() == "autoshard explain: cannot load nope from examples/train_gpt.py: AttributeError: " \
+        "module '_autoshard_explain_train_gpt' has no attribute 'nope'"
