@@ -11,8 +11,9 @@ taken under the contention training sees:
   (``torch.add(a, b, out=c)`` on 64 MiB tensors: input + output bytes / t, the bytes
   :func:`~autoshard.cost_model.node_time` counts) and launch overhead (``torch.add`` on
   1-element tensors, per call);
-- collectives, at every world size: blocking ``all_gather_into_tensor``, ``reduce_scatter_tensor``
-  and ``all_reduce`` of float32 over a sweep of sizes, in cost_model's full-buffer convention
+- collectives, at every world size: the functional ``all_gather_into_tensor``,
+  ``reduce_scatter_tensor`` and ``all_reduce`` compiled graphs run (issue, then ``wait_tensor``)
+  of float32 over a sweep of sizes, in cost_model's full-buffer convention
   (gathered output / pre-reduce input / buffer); a barrier before each timed call, median over
   repeats, max over ranks (a collective ends when its slowest rank does).
 
@@ -42,6 +43,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from tabulate import tabulate
 
+from ._compat import c10d
 from .cost_model import COLLECTIVE_KINDS, DeviceProfile, Link, collective_time
 
 DEFAULT_SIZES = tuple(4096 * 4**i for i in range(7))  # 4 KiB .. 16 MiB
@@ -168,10 +170,13 @@ def _collective_times(sizes: Sequence[int], repeats: int) -> dict[tuple[str, int
     for nbytes in sizes:
         numel = _numel(nbytes, w)
         full, shard = torch.ones(numel), torch.ones(numel // w)
+        group = dist.group.WORLD.group_name
+        # The functional collectives compiled graphs run (issue, then wait_tensor), not the
+        # blocking API: their overheads are part of what a graph pays.
         calls = {
-            "all_gather": lambda: _all_gather(full, shard),
-            "reduce_scatter": lambda: _reduce_scatter(shard, full),
-            "all_reduce": lambda: dist.all_reduce(full),
+            "all_gather": lambda: c10d.wait_tensor(c10d.all_gather_into_tensor(shard, w, group)),
+            "reduce_scatter": lambda: c10d.wait_tensor(c10d.reduce_scatter_tensor(full, "avg", w, group)),
+            "all_reduce": lambda: c10d.wait_tensor(c10d.all_reduce(full, "avg", group)),
         }
         for kind in COLLECTIVE_KINDS:
             times[kind, full.nbytes] = _timed(calls[kind], repeats)
