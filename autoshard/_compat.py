@@ -6,6 +6,7 @@ release is a one-file change.
 """
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -45,6 +46,7 @@ __all__ = [
     "must_save",
     "recompute_region",
     "register_backend",
+    "save_random_ops_in_checkpoints",
     "TESTED_TORCH",
     "tree_leaves",
     "tree_map",
@@ -79,6 +81,27 @@ def must_recompute(node: torch.fx.Node, graph_id: int) -> None:
 def recompute_region(node: torch.fx.Node) -> int | None:
     """The region id of a node tagged MUST_RECOMPUTE, else None."""
     return node.meta.get("ac_graph_id") if node.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE else None
+
+
+def save_random_ops_in_checkpoints(joint: torch.fx.GraphModule) -> None:
+    """Tag random ops (dropout, scaled_dot_product_attention) inside activation-checkpointed
+    regions of a joint graph to be saved, not recomputed.
+
+    Recomputing a random op makes the partitioner save its RNG state for backward, and in
+    torch 2.13 it appends those states after the opaque objects the forward saves (a DTensor
+    parameter's DeviceMesh, which every sharded model has), breaking AOT autograd's calling
+    convention: the forward fails at run time with "expected all
+    tensors_saved_with_vc_check to be Tensors". Saving the op's outputs needs no RNG replay
+    and is exact; it costs their memory (for attention, the output and log-sum-exp of the
+    region, as selective activation checkpointing commonly does).
+    """
+    recompute = (CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE)
+    for node in joint.graph.nodes:
+        random = node.op == "call_function" and torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
+        if random and node.meta.get("recompute") in recompute:
+            # A tuple result is saved through its getitems.
+            for saved in [node, *(u for u in node.users if u.target is operator.getitem)]:
+                saved.meta["recompute"] = CheckpointPolicy.MUST_SAVE
 
 
 def must_save(node: torch.fx.Node) -> None:

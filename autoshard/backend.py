@@ -34,6 +34,7 @@ from ._compat import (
     make_boxed_func,
     min_cut_rematerialization_partition,
     register_backend,
+    save_random_ops_in_checkpoints,
 )
 from .consistency import check_ranks_agree
 from .cost_model import DeviceProfile, estimators, get_profile
@@ -109,6 +110,7 @@ def autoshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options
 
     def joint_pass(joint: fx.GraphModule, joint_inputs: Any) -> fx.GraphModule:
         dump.write("joint", joint)
+        save_random_ops_in_checkpoints(joint)  # a torch 2.13 bug, see there
         merge_shared_parameters(joint)
         lower_annotations(joint, opts.reshard_after_forward)
         if opts.schedule in ("autoshard", "fsdp2"):  # FSDP2 keeps its root unit gathered too

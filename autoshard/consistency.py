@@ -14,7 +14,7 @@ from datetime import timedelta
 import torch.distributed as dist
 from torch import fx
 
-from ._compat import c10d, default_store
+from ._compat import c10d, default_store, resolve_process_group
 
 # Every rank numbers its exchanges alike: they follow the order in which graphs are compiled.
 _exchanges = itertools.count()
@@ -28,10 +28,21 @@ _COLLECTIVES = {
 }
 
 
+def _group_shape(group_name: str) -> object:
+    """A group as every rank of a mesh dimension sees it alike: its ranks relative to the
+    lowest. Ranks in different rows of a 2-D mesh use different groups (and DeviceMesh names
+    them differently on each), but groups of the same dimension have the same shape."""
+    try:
+        ranks = sorted(dist.get_process_group_ranks(resolve_process_group(group_name)))
+    except (RuntimeError, ValueError):  # a group this process does not know: keep the name
+        return group_name
+    return tuple(r - ranks[0] for r in ranks)
+
+
 def plan_signature(gm: fx.GraphModule) -> str:
     """A hash of the graph's communication plan: its collectives and waits in order, with the
-    shapes, dtypes, groups and parameters they move. Rank-independent by construction
-    (shards are padded to equal sizes before any collective)."""
+    shapes, dtypes, groups (by shape, see :func:`_group_shape`) and parameters they move.
+    Rank-independent by construction (shards are padded to equal sizes before any collective)."""
     events, index = [], {}
     for node in gm.graph.nodes:
         if node.op != "call_function":
@@ -39,7 +50,9 @@ def plan_signature(gm: fx.GraphModule) -> str:
         if node.target in _COLLECTIVES:
             index[node] = len(index)
             t = node.args[0].meta["val"]
-            events.append((str(node.target), tuple(t.shape), str(t.dtype), node.args[1:], node.meta.get("autoshard_params")))
+            *args, group = node.args[1:]  # every collective here takes its group name last
+            args.append(_group_shape(group))
+            events.append((str(node.target), tuple(t.shape), str(t.dtype), tuple(args), node.meta.get("autoshard_params")))
         elif node.target is c10d.wait_tensor.default and node.args[0] in index:
             events.append(("wait", index[node.args[0]]))
     return hashlib.sha256(repr(events).encode()).hexdigest()[:16]

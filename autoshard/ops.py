@@ -1,15 +1,31 @@
 """autoshard's runtime ops: the sharding annotations that the backend finds and lowers.
 
-Each op carries everything a pass needs as explicit arguments (group name, world size,
-sizes), so it survives Dynamo and AOT autograd intact. Eagerly the ops run real, blocking
-collectives, so a sharded model trains correctly even without ``torch.compile``.
+Each op carries everything a pass needs as explicit arguments (group names, world sizes,
+sizes, dtypes), so it survives Dynamo and AOT autograd intact. Eagerly the ops run real,
+blocking collectives, so a sharded model trains correctly even without ``torch.compile``.
 
 Shards follow DTensor's ``Shard(0)`` layout (``torch.chunk``): every rank owns
 ``chunk = ceil(dim0 / world_size)`` rows except at the tail, where one rank may own fewer
 and the rest none. Padding each shard to ``chunk`` rows therefore puts all padding after the
 real rows, so a gather of padded shards followed by ``[:dim0]`` is exact.
+
+Arguments shared by the ops:
+
+* ``group_name`` / ``world_size``: the group a parameter is sharded (or, replicated, averaged)
+  over. ``replica_group`` / ``replicas``: for hybrid sharding, the group of ranks holding the
+  same shard; gradients reduced in ``group_name`` are then averaged over it (``replicas`` 1
+  and ``""``: none).
+* ``param_dtype``: dtype the parameter is gathered and computed in (None: its own).
+  ``reduce_dtype``: dtype gradients are reduced in (None: the gradient's own). Gradients come
+  back in the parameter's dtype.
+* ``sink``: None normally. While gradient synchronisation is off, a full-size leaf that
+  receives the unreduced gradient instead (autograd accumulates it in ``sink.grad``); the
+  shard then gets no gradient and nothing is communicated in backward.
+* ``name``: the parameter's fully qualified name, which bucketing groups by.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -35,78 +51,154 @@ def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     return F.pad(t, [0, 0] * (t.dim() - 1) + [0, missing])
 
 
-@torch.library.custom_op("autoshard::unshard", mutates_args=())
-def unshard(shard: torch.Tensor, group_name: str, world_size: int, dim0: int, reshard: bool, name: str) -> torch.Tensor:
-    """All-gather ``shard`` (this rank's rows of a ``dim0``-row parameter) into the full parameter.
+def _cast(t: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tensor:
+    return t if dtype is None or t.dtype == dtype else t.to(dtype)
 
-    ``reshard``: free the result after forward and gather again in backward. ``name``: the
-    parameter's fully qualified name, which bucketing groups by.
+
+def _new(t: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tensor:
+    """``t`` in ``dtype`` as a new tensor: a custom op may not return (a view of) its input."""
+    return t.clone() if dtype is None or t.dtype == dtype else t.to(dtype)
+
+
+def _average_over_replicas(t: torch.Tensor, replica_group: str, replicas: int) -> torch.Tensor:
+    if replicas == 1:
+        return t
+    return c10d.wait_tensor(c10d.all_reduce(t.contiguous(), "avg", replica_group))
+
+
+@torch.library.custom_op("autoshard::unshard", mutates_args=())
+def unshard(
+    shard: torch.Tensor,
+    group_name: str,
+    world_size: int,
+    dim0: int,
+    reshard: bool,
+    name: str,
+    sink: Optional[torch.Tensor],
+    param_dtype: Optional[torch.dtype],
+    reduce_dtype: Optional[torch.dtype],
+    replica_group: str,
+    replicas: int,
+) -> torch.Tensor:
+    """All-gather ``shard`` (this rank's rows of a ``dim0``-row parameter), cast to
+    ``param_dtype`` first, into the full parameter.
+
+    ``reshard``: free the result after forward and gather again in backward. Backward:
+    :func:`reduce_grad`, or the full gradient to ``sink`` when one is given.
     """
-    padded = _pad_rows(shard, chunk_rows(dim0, world_size)).contiguous()
+    padded = _pad_rows(_cast(shard, param_dtype), chunk_rows(dim0, world_size)).contiguous()
     gathered = c10d.wait_tensor(c10d.all_gather_into_tensor(padded, world_size, group_name))
     return gathered[:dim0].clone()
 
 
 @unshard.register_fake
-def _(shard, group_name, world_size, dim0, reshard, name):
-    return shard.new_empty((dim0, *shard.shape[1:]))
+def _(shard, group_name, world_size, dim0, reshard, name, sink, param_dtype, reduce_dtype, replica_group, replicas):
+    return shard.new_empty((dim0, *shard.shape[1:]), dtype=param_dtype or shard.dtype)
 
 
 @torch.library.custom_op("autoshard::reduce_grad", mutates_args=())
-def reduce_grad(grad: torch.Tensor, group_name: str, world_size: int, shard_rows: int, name: str) -> torch.Tensor:
-    """Reduce-scatter a full gradient, averaged over the data-parallel ranks, to this rank's
-    ``shard_rows`` rows."""
+def reduce_grad(
+    grad: torch.Tensor,
+    group_name: str,
+    world_size: int,
+    shard_rows: int,
+    name: str,
+    reduce_dtype: Optional[torch.dtype],
+    out_dtype: torch.dtype,
+    replica_group: str,
+    replicas: int,
+) -> torch.Tensor:
+    """Reduce-scatter a full gradient in ``reduce_dtype``, averaged over the data-parallel
+    ranks (``group_name``, then ``replica_group``), to this rank's ``shard_rows`` rows in
+    ``out_dtype``."""
+    grad = _cast(grad, reduce_dtype)
     padded = _pad_rows(grad, chunk_rows(grad.shape[0], world_size) * world_size).contiguous()
     reduced = c10d.wait_tensor(c10d.reduce_scatter_tensor(padded, "avg", world_size, group_name))
-    return reduced[:shard_rows].clone()
+    # Over the replicas on the padded shard, as the lowered graph does: the same shape on every rank.
+    return _new(_average_over_replicas(reduced, replica_group, replicas)[:shard_rows], out_dtype)
 
 
 @reduce_grad.register_fake
-def _(grad, group_name, world_size, shard_rows, name):
-    return grad.new_empty((shard_rows, *grad.shape[1:]))
+def _(grad, group_name, world_size, shard_rows, name, reduce_dtype, out_dtype, replica_group, replicas):
+    return grad.new_empty((shard_rows, *grad.shape[1:]), dtype=out_dtype)
+
+
+def _sink_grad(ctx, grad: torch.Tensor) -> torch.Tensor | None:
+    return None if ctx.sink_dtype is None else grad.to(ctx.sink_dtype)
 
 
 def _unshard_setup(ctx, inputs, output):
-    shard, group_name, world_size, _, _, name = inputs
-    ctx.args = (group_name, world_size, shard.shape[0], name)
+    shard, group_name, world_size, _, _, name, sink, _, reduce_dtype, replica_group, replicas = inputs
+    ctx.args = (group_name, world_size, shard.shape[0], name, reduce_dtype, shard.dtype, replica_group, replicas)
+    ctx.sink_dtype = None if sink is None else sink.dtype
 
 
 def _unshard_backward(ctx, grad):
-    return reduce_grad(grad.contiguous(), *ctx.args), None, None, None, None, None
+    if ctx.sink_dtype is not None:  # synchronisation off: the full gradient stays local
+        return None, None, None, None, None, None, _sink_grad(ctx, grad), None, None, None, None
+    return reduce_grad(grad.contiguous(), *ctx.args), None, None, None, None, None, None, None, None, None, None
 
 
 unshard.register_autograd(_unshard_backward, setup_context=_unshard_setup)
 
 
 @torch.library.custom_op("autoshard::replicate", mutates_args=())
-def replicate(tensor: torch.Tensor, group_name: str, world_size: int, name: str) -> torch.Tensor:
-    """Use of a replicated parameter (one that cannot be split, e.g. 0-d): identity forward,
-    gradient averaged over the ranks in backward."""
-    return tensor.clone()
+def replicate(
+    tensor: torch.Tensor,
+    group_name: str,
+    world_size: int,
+    name: str,
+    sink: Optional[torch.Tensor],
+    param_dtype: Optional[torch.dtype],
+    reduce_dtype: Optional[torch.dtype],
+    replica_group: str,
+    replicas: int,
+) -> torch.Tensor:
+    """Use of a replicated parameter (0-d, or every parameter under strategy "replicate"):
+    a cast to ``param_dtype`` forward; backward :func:`all_reduce_grad` (or the gradient to
+    ``sink`` when one is given)."""
+    return _new(tensor, param_dtype)
 
 
 @replicate.register_fake
-def _(tensor, group_name, world_size, name):
-    return torch.empty_like(tensor)
+def _(tensor, group_name, world_size, name, sink, param_dtype, reduce_dtype, replica_group, replicas):
+    return torch.empty_like(tensor, dtype=param_dtype or tensor.dtype)
 
 
 @torch.library.custom_op("autoshard::all_reduce_grad", mutates_args=())
-def all_reduce_grad(grad: torch.Tensor, group_name: str, world_size: int, name: str) -> torch.Tensor:
-    """All-reduce a gradient, averaged over the data-parallel ranks."""
-    return c10d.wait_tensor(c10d.all_reduce(grad.contiguous(), "avg", group_name)).clone()
+def all_reduce_grad(
+    grad: torch.Tensor,
+    group_name: str,
+    world_size: int,
+    name: str,
+    reduce_dtype: Optional[torch.dtype],
+    out_dtype: torch.dtype,
+    replica_group: str,
+    replicas: int,
+) -> torch.Tensor:
+    """All-reduce a gradient in ``reduce_dtype``, averaged over the data-parallel ranks
+    (``group_name``, then ``replica_group``), returned in ``out_dtype``."""
+    reduced = _cast(grad, reduce_dtype)
+    if world_size > 1:
+        reduced = c10d.wait_tensor(c10d.all_reduce(reduced.contiguous(), "avg", group_name))
+    return _new(_average_over_replicas(reduced, replica_group, replicas), out_dtype)
 
 
 @all_reduce_grad.register_fake
-def _(grad, group_name, world_size, name):
-    return torch.empty_like(grad)
+def _(grad, group_name, world_size, name, reduce_dtype, out_dtype, replica_group, replicas):
+    return torch.empty_like(grad, dtype=out_dtype)
 
 
 def _replicate_setup(ctx, inputs, output):
-    ctx.args = inputs[1:]
+    tensor, group_name, world_size, name, sink, _, reduce_dtype, replica_group, replicas = inputs
+    ctx.args = (group_name, world_size, name, reduce_dtype, tensor.dtype, replica_group, replicas)
+    ctx.sink_dtype = None if sink is None else sink.dtype
 
 
 def _replicate_backward(ctx, grad):
-    return all_reduce_grad(grad, *ctx.args), None, None, None
+    if ctx.sink_dtype is not None:
+        return None, None, None, None, _sink_grad(ctx, grad), None, None, None, None
+    return all_reduce_grad(grad, *ctx.args), None, None, None, None, None, None, None, None
 
 
 replicate.register_autograd(_replicate_backward, setup_context=_replicate_setup)

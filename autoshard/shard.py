@@ -1,45 +1,88 @@
 """The sharding frontend: ``autoshard.shard(module)`` turns parameters into per-rank shards.
 
-Every parameter becomes an ``nn.Parameter`` holding a DTensor (``Shard(0)`` over a 1-D mesh;
-``Replicate()`` for 0-d parameters, which cannot be split), so optimizers, ``clip_grad_norm_``
-and ``torch.distributed.checkpoint`` work on the shards. Each module that owns parameters is
-moved to a subclass whose parameter names are properties: reading ``module.weight`` returns
-the full parameter through :mod:`autoshard.ops`. ``state_dict`` keys stay unchanged because
-the parameters still live in ``module._parameters``.
+Every parameter becomes an ``nn.Parameter`` holding a DTensor laid out by the strategy:
+
+* ``"full"`` (ZeRO-3, default) and ``"grad_op"`` (ZeRO-2): ``Shard(0)`` over a 1-D mesh;
+  ``"grad_op"`` keeps gathered parameters from forward to backward.
+* ``"replicate"`` (DDP): ``Replicate()``: every rank holds everything, gradients are
+  all-reduced.
+* ``"hybrid"`` (HSDP): over a 2-D mesh ``(replicas, shard)``: ``(Replicate(), Shard(0))``,
+  sharded within a row of the mesh and replicated down its columns.
+
+0-d parameters, which cannot be split, are always replicated. Optimizers, ``clip_grad_norm_``
+and ``torch.distributed.checkpoint`` therefore work on the shards. Each module that owns
+parameters (and the module passed to ``shard``) is moved to a subclass whose parameter names
+are properties: reading ``module.weight`` returns the full parameter through
+:mod:`autoshard.ops`. ``state_dict`` keys stay unchanged because the parameters still live
+in ``module._parameters``.
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 
-from . import ops
+from . import grad_sync, ops
+from .mixed_precision import MixedPrecision, cast_inputs_hook, dtypes_for
 
 _SHARDED = "_autoshard_root"  # set on every module passed to shard()
+STRATEGIES = ("full", "grad_op", "replicate", "hybrid")
 
 
 @dataclass(frozen=True)
 class ParamSpec:
     """What a parameter's annotation needs; plain constants so Dynamo guards on them cheaply."""
 
-    group_name: str
+    group_name: str  # the group the parameter is sharded over (replicated: averaged over)
     world_size: int
-    dim0: int  # full rows; -1 for a replicated (0-d) parameter
+    dim0: int  # full rows; -1 for a replicated parameter (0-d, or strategy "replicate")
     reshard: bool
     name: str  # fully qualified, relative to the outermost module passed to shard()
+    param_dtype: torch.dtype | None = None  # gathered and computed in; None: its own
+    reduce_dtype: torch.dtype | None = None  # gradients reduced in; None: the gradient's
+    replica_group: str = ""  # hybrid: gradients are then averaged over this group too
+    replicas: int = 1
+
+
+class ShardedModule:
+    """Mixed into the class of every module ``shard`` touches (like FSDP2's ``FSDPModule``)."""
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """Whether backward reduces gradients across ranks (default True).
+
+        For gradient accumulation, turn it off for all micro-batches but the last::
+
+            for i, micro_batch in enumerate(micro_batches):
+                model.set_requires_gradient_sync(i == len(micro_batches) - 1)
+                model(*micro_batch).backward()
+            optimizer.step()
+
+        Off, each trainable parameter accumulates its full local gradient (memory: one
+        unsharded gradient per parameter, in the reduce dtype) and nothing is communicated in
+        backward; turning it on reduces what was accumulated into the sharded ``.grad`` (a
+        blocking collective: call it on every rank). Compiled models get one variant per
+        setting, so alternating recompiles nothing. ``recurse``: also for every submodule.
+        See :mod:`autoshard.grad_sync`.
+        """
+        grad_sync.set_requires_gradient_sync(self.modules() if recurse else [self], requires_gradient_sync)
 
 
 def _annotate(module: nn.Module, name: str) -> torch.Tensor:
     param = module._parameters[name]
     spec = module._autoshard_specs[name]
     local = param.to_local()
+    # A Python constant that Dynamo guards on: one compiled variant per setting.
+    synced = getattr(module, grad_sync.SYNC) or not param.requires_grad
+    sink = None if synced else getattr(module, grad_sync.SINKS)[name]
+    comm = (sink, spec.param_dtype, spec.reduce_dtype, spec.replica_group, spec.replicas)
     if spec.dim0 < 0:
-        return ops.replicate(local, spec.group_name, spec.world_size, spec.name)
-    return ops.unshard(local, spec.group_name, spec.world_size, spec.dim0, spec.reshard, spec.name)
+        return ops.replicate(local, spec.group_name, spec.world_size, spec.name, *comm)
+    return ops.unshard(local, spec.group_name, spec.world_size, spec.dim0, spec.reshard, spec.name, *comm)
 
 
 _subclasses: dict[tuple[type, tuple[str, ...]], type] = {}
@@ -56,7 +99,7 @@ def _sharded_class(cls: type, names: tuple[str, ...]) -> type:
     key = (cls, names)
     if key not in _subclasses:
         props = {n: property(lambda self, n=n: _annotate(self, n)) for n in names}
-        sub = type(f"Sharded{cls.__name__}", (cls,), props)
+        sub = type(f"Sharded{cls.__name__}", (cls, ShardedModule), props)
         _subclasses[key], _base_of[sub] = sub, cls
     return _subclasses[key]
 
@@ -66,16 +109,39 @@ def _default_mesh(module: nn.Module) -> DeviceMesh:
     return init_device_mesh(device.type, (dist.get_world_size(),))
 
 
-def _check(module: nn.Module, mesh: DeviceMesh | None) -> None:
+def _check(
+    module: nn.Module, mesh: DeviceMesh | None, strategy: str, reshard_after_forward: bool | None, mixed_precision: MixedPrecision | None
+) -> None:
     if getattr(module, _SHARDED, False):
         raise ValueError(
             f"{type(module).__name__} is already sharded: call autoshard.shard once per module "
             "(to shard blocks separately, shard each block first, then the root)."
         )
+    if strategy not in STRATEGIES:
+        raise ValueError(f"autoshard.shard: strategy must be one of {STRATEGIES}, got {strategy!r}.")
+    if reshard_after_forward not in (None, True, False):
+        raise ValueError(f"autoshard.shard: reshard_after_forward must be True, False or None, got {reshard_after_forward!r}.")
+    if reshard_after_forward and strategy in ("grad_op", "replicate"):
+        raise ValueError(
+            f"strategy={strategy!r} keeps full parameters from forward to backward, which reshard_after_forward=True "
+            "contradicts: use strategy='full' (or 'hybrid') to reshard."
+        )
+    if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
+        raise ValueError(f"mixed_precision must be an autoshard.MixedPrecision, got {type(mixed_precision).__name__}.")
+    dims = 2 if strategy == "hybrid" else 1
+    if strategy == "hybrid" and mesh is None:
+        raise ValueError(
+            "strategy='hybrid' needs a 2-D mesh: pass mesh=init_device_mesh(device_type, (replicas, shard_size)); "
+            "parameters are sharded over the second dimension and replicated over the first."
+        )
     if mesh is None:
         return
-    if mesh.ndim != 1:
-        raise ValueError(f"autoshard.shard needs a 1-D DeviceMesh, got {mesh.ndim}-D {mesh}.")
+    if mesh.ndim != dims:
+        shape = "(replicas, shard_size)" if dims == 2 else "(world_size,)"
+        raise ValueError(
+            f"autoshard.shard with strategy={strategy!r} needs a {dims}-D DeviceMesh, got {mesh.ndim}-D {mesh}: "
+            f"use init_device_mesh(device_type, {shape})."
+        )
     if not dist.is_initialized():
         raise ValueError("A mesh was given but no process group is initialised: call init_process_group first.")
     if mesh.size() != dist.get_world_size():
@@ -85,28 +151,73 @@ def _check(module: nn.Module, mesh: DeviceMesh | None) -> None:
         )
 
 
-def shard(module: nn.Module, mesh: DeviceMesh | None = None, *, reshard_after_forward: bool = True) -> nn.Module:
+def _layout(mesh: DeviceMesh, strategy: str) -> tuple[dict, list[Placement], list[Placement]]:
+    """(ParamSpec fields for the communication groups, placements of a splittable parameter,
+    placements of a replicated one)."""
+    if strategy == "hybrid":
+        replica, shard_group = mesh.get_group(0), mesh.get_group(1)
+        groups = dict(
+            group_name=shard_group.group_name,
+            world_size=mesh.size(1),
+            replica_group=replica.group_name if mesh.size(0) > 1 else "",
+            replicas=mesh.size(0),
+        )
+        return groups, [Replicate(), Shard(0)], [Replicate(), Replicate()]
+    groups = dict(group_name=mesh.get_group().group_name, world_size=mesh.size())
+    split = [Replicate()] if strategy == "replicate" else [Shard(0)]
+    return groups, split, [Replicate()]
+
+
+def shard(
+    module: nn.Module,
+    mesh: DeviceMesh | None = None,
+    *,
+    reshard_after_forward: bool | None = None,
+    strategy: str = "full",
+    mixed_precision: MixedPrecision | None = None,
+) -> nn.Module:
     """Shard ``module``'s parameters in place across the ranks of ``mesh`` and return it.
 
     Args:
         module: any ``nn.Module``. Parameters already sharded by an earlier ``shard`` call on a
             submodule keep their settings; buffers stay replicated.
-        mesh: a 1-D DeviceMesh; default: every rank of the default process group, on the
-            device type of the module's parameters. Without a process group there is nothing
-            to shard (world size 1) and the module is only marked.
+        mesh: a 1-D DeviceMesh (2-D ``(replicas, shard_size)`` for ``"hybrid"``); default:
+            every rank of the default process group, on the device type of the module's
+            parameters. Without a process group there is nothing to shard (world size 1): the
+            module is only marked, and ``strategy`` and ``mixed_precision`` change nothing.
         reshard_after_forward: free gathered parameters after forward and gather them again
-            in backward (ZeRO-3). ``False`` keeps them from forward to backward.
+            in backward (ZeRO-3). ``False`` keeps them from forward to backward. Default: True
+            for ``"full"`` and ``"hybrid"``, False for ``"grad_op"`` (and ``"replicate"``,
+            which gathers nothing); True with those two is an error.
+        strategy: ``"full"`` (ZeRO-3), ``"grad_op"`` (ZeRO-2: parameters stay gathered from
+            forward to backward; gradients and optimizer state sharded), ``"replicate"``
+            (DDP: full parameters on every rank, gradients all-reduced in buckets during the
+            backward) or ``"hybrid"`` (HSDP: sharded within the mesh's second dimension,
+            replicated over its first; gradients reduce-scattered within, then all-reduced
+            across).
+        mixed_precision: an :class:`autoshard.MixedPrecision`: gather and compute in
+            ``param_dtype``, reduce gradients in ``reduce_dtype``; the sharded parameters and
+            the optimizer state keep their dtype.
 
     Build the optimizer after calling ``shard`` (as with FSDP2): it must see the sharded
     parameters. Parameters shared by several modules (tied weights) are sharded once.
+    Nothing is changed when an argument is refused.
     """
-    _check(module, mesh)
+    _check(module, mesh, strategy, reshard_after_forward, mixed_precision)
     if not dist.is_initialized():
+        if mixed_precision is not None:
+            warnings.warn(
+                "autoshard.shard: no process group, so nothing is sharded and mixed_precision is ignored; "
+                "use torch.autocast for mixed precision in a single process.",
+                stacklevel=2,
+            )
+        module.__class__ = _sharded_class(type(module), tuple(sorted(getattr(module, "_autoshard_specs", {}))))
         setattr(module, _SHARDED, True)
         return module
     mesh = mesh if mesh is not None else _default_mesh(module)
-    group_name = mesh.get_group().group_name
-    world_size = mesh.size()
+    groups, split, replicated = _layout(mesh, strategy)
+    if reshard_after_forward is None:
+        reshard_after_forward = strategy in ("full", "hybrid")
 
     # Build every new parameter first, then install them all: nothing is half-applied.
     sharded: dict[int, nn.Parameter] = {}
@@ -132,12 +243,15 @@ def shard(module: nn.Module, mesh: DeviceMesh | None = None, *, reshard_after_fo
                     )
                 specs[name] = replace(getattr(param, _SPEC), name=fqn)
                 continue
+            splits = param.dim() > 0 and strategy != "replicate"
             if id(param) not in sharded:
-                placement = Shard(0) if param.dim() > 0 else Replicate()
-                local = distribute_tensor(param.detach(), mesh, [placement])
+                local = distribute_tensor(param.detach(), mesh, split if splits else replicated)
                 sharded[id(param)] = nn.Parameter(local, requires_grad=param.requires_grad)
-            dim0 = param.shape[0] if param.dim() > 0 else -1
-            specs[name] = ParamSpec(group_name, world_size, dim0, reshard_after_forward, fqn)
+            param_dtype, reduce_dtype = dtypes_for(param, mixed_precision)
+            dim0 = param.shape[0] if splits else -1
+            specs[name] = ParamSpec(
+                dim0=dim0, reshard=reshard_after_forward and splits, name=fqn, param_dtype=param_dtype, reduce_dtype=reduce_dtype, **groups
+            )
         if specs:
             owners.append((mod, specs))
 
@@ -151,5 +265,9 @@ def shard(module: nn.Module, mesh: DeviceMesh | None = None, *, reshard_after_fo
             mod._parameters[name] = new
         mod._autoshard_specs = {**getattr(mod, "_autoshard_specs", {}), **specs}
         mod.__class__ = _sharded_class(type(mod), tuple(sorted(mod._autoshard_specs)))
+        setattr(mod, grad_sync.SYNC, getattr(mod, grad_sync.SYNC, True))
+    module.__class__ = _sharded_class(type(module), tuple(sorted(getattr(module, "_autoshard_specs", {}))))
+    if mixed_precision is not None and mixed_precision.param_dtype is not None and mixed_precision.cast_forward_inputs:
+        module.register_forward_pre_hook(cast_inputs_hook(mixed_precision.param_dtype), with_kwargs=True)
     setattr(module, _SHARDED, True)
     return module

@@ -4,9 +4,12 @@
     torchrun --nproc-per-node 8 examples/train_gpt.py       # uses the launched group (NCCL on CUDA)
     python examples/train_gpt.py --steps 10 --save ckpt     # save at the end (--save-every N: also every N steps)
     python examples/train_gpt.py --world-size 4 --steps 20 --resume ckpt   # go on from step 10 on 4 ranks
+    python examples/train_gpt.py --world-size 4 --strategy hybrid --replicas 2   # HSDP on a 2x2 mesh
+    python examples/train_gpt.py --precision bf16 --grad-accum 2 --clip 1.0     # bf16 compute, 2 micro-batches
 
-Each rank trains on its own slice of every batch and stores 1/world of the parameters,
-gradients and optimizer state; the loss printed is the average over ranks.
+Each rank trains on its own slice of every batch and (strategy "full", the default) stores
+1/world of the parameters, gradients and optimizer state; the loss printed is the average
+over ranks.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import autoshard  # noqa: E402
@@ -55,7 +59,13 @@ def train(args: argparse.Namespace) -> None:
     torch.manual_seed(0)
     model = build_model(args.n_layer, args.n_embd).to(device)
     full_bytes = sum(p.nbytes for p in model.parameters())
-    autoshard.shard(model)
+    mesh = None
+    if args.strategy == "hybrid":  # sharded within groups of world / replicas ranks, replicated across
+        if world % args.replicas:
+            raise SystemExit(f"--replicas {args.replicas} does not divide the world size {world}")
+        mesh = init_device_mesh(device.type, (args.replicas, world // args.replicas))
+    precision = autoshard.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.precision == "bf16" else None
+    autoshard.shard(model, mesh, strategy=args.strategy, mixed_precision=precision)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)  # after shard: it sees the shards
     compiled = model if args.compiler == "none" else torch.compile(model, backend="autoshard", options={"compiler": args.compiler})
 
@@ -67,14 +77,22 @@ def train(args: argparse.Namespace) -> None:
             print(f"resumed from {args.resume} at step {start}", flush=True)
     data = load_corpus()
     per_rank = args.batch_size // world
+    if per_rank % args.grad_accum:
+        raise SystemExit(f"--grad-accum {args.grad_accum} does not divide the {per_rank} sequences each rank gets per step")
     for step in range(start, args.steps):
         x, y = get_batch(data, step, per_rank * world, model.cfg.block_size)
         mine = slice(rank * per_rank, (rank + 1) * per_rank)
-        loss = compiled(x[mine].to(device), y[mine].to(device))
-        loss.backward()
+        mean_loss = torch.zeros((), device=device)
+        for micro, (xm, ym) in enumerate(zip(x[mine].chunk(args.grad_accum), y[mine].chunk(args.grad_accum))):
+            # Gradients are reduced across ranks only on the last micro-batch.
+            model.set_requires_gradient_sync(micro == args.grad_accum - 1)
+            loss = compiled(xm.to(device), ym.to(device)) / args.grad_accum
+            loss.backward()
+            mean_loss += loss.detach().float()
+        if args.clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)  # the global norm over all shards
         optimizer.step()
         optimizer.zero_grad()
-        mean_loss = loss.detach()
         dist.all_reduce(mean_loss)
         if rank == 0:
             print(f"step {step:3d}  loss {mean_loss.item() / world:.4f}", flush=True)
@@ -118,6 +136,15 @@ def main() -> None:
                         help="autoshard's inner compiler (default: inductor on CUDA, aot_eager on CPU, where "
                         "Inductor spends ~30 s compiling C++); 'none' runs the sharded model uncompiled")
     parser.add_argument("--world-size", type=int, default=2, help="CPU ranks to start when not under torchrun")
+    parser.add_argument("--strategy", choices=["full", "grad_op", "replicate", "hybrid"], default="full",
+                        help="full: ZeRO-3; grad_op: ZeRO-2 (parameters stay gathered from forward to backward); "
+                        "replicate: DDP; hybrid: HSDP, sharded within groups and replicated across --replicas groups")
+    parser.add_argument("--replicas", type=int, default=2, help="with --strategy hybrid: how many replicas of the shards")
+    parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
+                        help="bf16: gather and compute in bfloat16, reduce gradients and keep parameters and "
+                        "optimizer state in float32")
+    parser.add_argument("--grad-accum", type=int, default=1, metavar="N", help="micro-batches per step (gradient accumulation)")
+    parser.add_argument("--clip", type=float, default=0.0, metavar="NORM", help="clip gradients to this global norm")
     parser.add_argument("--save", metavar="DIR", help="save a checkpoint (model + optimizer) to DIR after the last step")
     parser.add_argument("--save-every", type=int, default=0, metavar="N", help="with --save: also every N steps")
     parser.add_argument("--resume", metavar="DIR", help="load the checkpoint in DIR and go on from its step")

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import fx
@@ -142,37 +142,68 @@ def _bucket_reduces(graph: fx.Graph, reduces: list[fx.Node], pos: dict[fx.Node, 
     for n in exclusive_inputs(reduce) + [reduce]:
         priority[n] = pos[last]
     priority[wait] = pos[wait_of(last)]
+    _slice_back(graph, wait, reduces, priority, lambda _: pos[wait_of(last)])
+
+
+def _bucket_all_reduces(graph: fx.Graph, reduces: list[fx.Node], pos: dict[fx.Node, int], priority: dict[fx.Node, float]) -> None:
+    op, group = reduces[0].args[1:]
+    last = reduces[-1]
+    with graph.inserting_before(last):
+        flat = call(graph, aten.cat.default, [_flat_view(graph, r.args[0], [-1]) for r in reduces])
+        reduce = call(graph, c10d.all_reduce.default, flat, op, group)
+        reduce.meta[PARAMS] = tuple(name for r in reduces for name in r.meta[PARAMS])
+        wait = call(graph, c10d.wait_tensor.default, reduce)
+    for n in exclusive_inputs(reduce) + [reduce]:
+        priority[n] = pos[last]
+    priority[wait] = pos[wait_of(last)]
+    _slice_back(graph, wait, reduces, priority, lambda old_wait: pos[old_wait])
+
+
+def _slice_back(
+    graph: fx.Graph, wait: fx.Node, members: list[fx.Node], priority: dict[fx.Node, float], at: Callable[[fx.Node], float]
+) -> None:
+    """Replace each member's wait by its slice of the flat result ``wait`` (members laid out
+    one after another), placed at ``at(old wait)``; erase the members."""
     offset = 0
-    for r in reduces:
-        shape = val(wait_of(r)).shape
-        n = math.prod(shape)
+    for r in members:
         old_wait = wait_of(r)
+        shape = list(val(old_wait).shape)
+        n = math.prod(shape)
         with graph.inserting_before(old_wait):
-            part = call(graph, aten.view.default, call(graph, aten.slice.Tensor, wait, 0, offset, offset + n), list(shape))
-        priority[part] = priority[part.args[0]] = pos[wait_of(last)]
+            part = call(graph, aten.view.default, call(graph, aten.slice.Tensor, wait, 0, offset, offset + n), shape)
+        priority[part] = priority[part.args[0]] = at(old_wait)
         offset += n
         old_wait.replace_all_uses_with(part)
         graph.erase_node(old_wait)
         graph.erase_node(r)
 
 
+# Rewritten in this order: all-reduces may take reduce-scatters' results (hybrid sharding).
+_REWRITES = (
+    (c10d.all_gather_into_tensor.default, _bucket_gathers),
+    (c10d.reduce_scatter_tensor.default, _bucket_reduces),
+    (c10d.all_reduce.default, _bucket_all_reduces),
+)
+
+
 def bucket_collectives(gm: fx.GraphModule, bucket_mb: float | None = None) -> fx.GraphModule:
-    """Replace the per-parameter all-gathers and reduce-scatters of a forward or backward
-    graph by one flat collective per bucket (see :func:`plan_buckets`).
+    """Replace the per-parameter all-gathers, reduce-scatters and all-reduces of a forward or
+    backward graph by one flat collective per bucket (see :func:`plan_buckets`).
 
     Guarantees: numerics unchanged (gathers: shards are concatenated, gathered, and each
     parameter copied out of the rank-major result; reduce-scatters: each gradient is laid out
-    rank-major, concatenated, reduced and sliced back); a bucket's collective sits where its
-    first member was (gathers) or its last member was (reduce-scatters), so the graph keeps
-    "gather at use, reduce at end" until a scheduling pass moves it. Copy-out nodes are
-    tagged ``meta["autoshard_gathered"]``; the collective's ``meta["autoshard_params"]``
-    lists its parameters.
+    rank-major, concatenated, reduced and sliced back; all-reduces: gradients are flattened,
+    concatenated, reduced and sliced back); a bucket's collective sits where its first
+    member was (gathers) or its last member was (reductions), so the graph keeps "gather at
+    use, reduce at end" until a scheduling pass moves it. Copy-out nodes are tagged
+    ``meta["autoshard_gathered"]``; the collective's ``meta["autoshard_params"]`` lists its
+    parameters.
     """
     bucket_bytes = int(bucket_mb * 2**20) if bucket_mb else None
     graph = gm.graph
     pos = positions(graph.nodes)  # priorities refer to the order before any rewrite
     priority: dict[fx.Node, float] = {}
-    for op, rewrite in ((c10d.all_gather_into_tensor.default, _bucket_gathers), (c10d.reduce_scatter_tensor.default, _bucket_reduces)):
+    for op, rewrite in _REWRITES:
         named = [n for n in collectives(graph, op) if PARAMS in n.meta]
         for bucket in plan_buckets(named, bucket_bytes):
             if len(bucket) > 1:

@@ -29,36 +29,52 @@ def _take_rows(graph: fx.Graph, x: fx.Node, rows: int) -> fx.Node:
     return call(graph, aten.slice.Tensor, x, 0, 0, rows)
 
 
+def _cast(graph: fx.Graph, x: fx.Node, dtype: torch.dtype | None) -> fx.Node:
+    if dtype is None or dtype == val(x).dtype:
+        return x
+    return call(graph, torch.ops.prims.convert_element_type.default, x, dtype)
+
+
+def _all_reduce(graph: fx.Graph, x: fx.Node, group: str, name: str) -> fx.Node:
+    reduce = call(graph, c10d.all_reduce.default, x, "avg", group)
+    reduce.meta[PARAMS] = (name,)
+    return call(graph, c10d.wait_tensor.default, reduce)
+
+
 def _lower_unshard(graph: fx.Graph, node: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
-    shard, group, world, dim0, _, name = node.args
+    shard, group, world, dim0, _, name, _, param_dtype = node.args[:8]
+    cast = _cast(graph, shard, param_dtype)  # on the shard: the gather moves the low precision
     if world == 1:
-        return shard, []
-    padded = _pad_rows(graph, shard, chunk_rows(dim0, world))
+        return cast, [cast] if cast is not shard else []
+    padded = _pad_rows(graph, cast, chunk_rows(dim0, world))
     gather = call(graph, c10d.all_gather_into_tensor.default, padded, world, group)
     gather.meta[PARAMS] = (name,)
     gathered = call(graph, c10d.wait_tensor.default, gather)
     full = _take_rows(graph, gathered, dim0)
-    return full, [n for n in (padded, gathered.args[0], gathered, full) if n is not shard]
+    return full, [n for n in dict.fromkeys((cast, padded, gathered.args[0], gathered, full)) if n is not shard]
 
 
 def _lower_reduce_grad(graph: fx.Graph, node: fx.Node) -> fx.Node:
-    grad, group, world, rows, name = node.args
-    if world == 1:
-        return grad
-    padded = _pad_rows(graph, grad, chunk_rows(val(grad).shape[0], world) * world)
-    reduce = call(graph, c10d.reduce_scatter_tensor.default, padded, "avg", world, group)
-    reduce.meta[PARAMS] = (name,)
-    reduced = call(graph, c10d.wait_tensor.default, reduce)
-    return _take_rows(graph, reduced, rows)
+    grad, group, world, rows, name, reduce_dtype, out_dtype, replica_group, replicas = node.args
+    grad = _cast(graph, grad, reduce_dtype)
+    if world > 1:
+        padded = _pad_rows(graph, grad, chunk_rows(val(grad).shape[0], world) * world)
+        reduce = call(graph, c10d.reduce_scatter_tensor.default, padded, "avg", world, group)
+        reduce.meta[PARAMS] = (name,)
+        grad = call(graph, c10d.wait_tensor.default, reduce)
+    if replicas > 1:  # on the padded shard: the same shape on every rank
+        grad = _all_reduce(graph, grad, replica_group, name)
+    return _cast(graph, _take_rows(graph, grad, rows), out_dtype)
 
 
 def _lower_all_reduce_grad(graph: fx.Graph, node: fx.Node) -> fx.Node:
-    grad, group, world, name = node.args
-    if world == 1:
-        return grad
-    reduce = call(graph, c10d.all_reduce.default, grad, "avg", group)
-    reduce.meta[PARAMS] = (name,)
-    return call(graph, c10d.wait_tensor.default, reduce)
+    grad, group, world, name, reduce_dtype, out_dtype, replica_group, replicas = node.args
+    grad = _cast(graph, grad, reduce_dtype)
+    if world > 1:
+        grad = _all_reduce(graph, grad, group, name)
+    if replicas > 1:
+        grad = _all_reduce(graph, grad, replica_group, name)
+    return _cast(graph, grad, out_dtype)
 
 
 def _view_chain(node: fx.Node) -> list[fx.Node]:
@@ -76,11 +92,15 @@ def _view_chain(node: fx.Node) -> list[fx.Node]:
 def lower_annotations(gm: fx.GraphModule, reshard_after_forward: bool | None = None) -> fx.GraphModule:
     """Replace every autoshard annotation op with c10d functional collectives.
 
-    Guarantees: ``unshard`` becomes pad -> all_gather_into_tensor -> wait_tensor -> slice,
-    ``reduce_grad`` becomes pad -> reduce_scatter_tensor(avg) -> wait_tensor -> slice,
-    ``all_reduce_grad`` becomes all_reduce(avg) -> wait_tensor and ``replicate`` its input
-    (pads and slices only where dim 0 does not divide evenly; at world size 1 no collective
-    at all). Each collective records its parameter name in ``meta["autoshard_params"]``.
+    Guarantees: ``unshard`` becomes [cast] -> pad -> all_gather_into_tensor -> wait_tensor ->
+    slice, ``reduce_grad`` becomes [cast] -> pad -> reduce_scatter_tensor(avg) -> wait_tensor
+    [-> all_reduce(avg) over the replica group -> wait_tensor] -> slice [-> cast],
+    ``all_reduce_grad`` becomes [cast] -> all_reduce(avg) -> wait_tensor [-> the same over
+    the replica group] [-> cast] and ``replicate`` its input [cast] (casts only where a
+    mixed-precision dtype differs, pads and slices only where dim 0 does not divide evenly;
+    no collective over a group of one rank). Each collective records its parameter name in
+    ``meta["autoshard_params"]``. A gradient sent to a sink (synchronisation off) has no
+    collective: autograd already routed it there.
     Gathers to reshard (the op's flag, or ``reshard_after_forward`` when given) and
     the views of their results are tagged MUST_RECOMPUTE, so a partitioned forward saves
     shards, never full parameters. Numerics are unchanged; the pass is idempotent.
@@ -100,7 +120,7 @@ def lower_annotations(gm: fx.GraphModule, reshard_after_forward: bool | None = N
             elif is_op(node, annotations.all_reduce_grad):
                 out = _lower_all_reduce_grad(graph, node)
             elif is_op(node, annotations.replicate):
-                out = node.args[0]
+                out = _cast(graph, node.args[0], node.args[5])
             else:
                 continue
         node.replace_all_uses_with(out)

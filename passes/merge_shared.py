@@ -15,13 +15,20 @@ def _is_noop_view(node: fx.Node) -> bool:
     return node.target is aten.view.default and val(node).shape == val(node.args[0]).shape
 
 
+def _key(node: fx.Node) -> tuple:
+    """The op and its arguments but the parameter's name, which differs between the modules
+    sharing it."""
+    schema = node.target._schema.arguments
+    return (node.target, *(a for a, s in zip(node.args, schema) if s.name != "name"))
+
+
 def _reduced(node: object) -> list[fx.Node] | None:
-    """If ``node`` is a single-use ``reduce_grad``, possibly behind no-op views, the chain from
-    the reduce to ``node``."""
+    """If ``node`` is a single-use ``reduce_grad`` or ``all_reduce_grad``, possibly behind
+    no-op views, the chain from the reduce to ``node``."""
     chain = []
     while isinstance(node, fx.Node) and len(node.users) == 1:
         chain.append(node)
-        if is_op(node, annotations.reduce_grad):
+        if is_op(node, annotations.reduce_grad) or is_op(node, annotations.all_reduce_grad):
             return chain[::-1]
         if not _is_noop_view(node):
             return None
@@ -32,25 +39,30 @@ def _reduced(node: object) -> list[fx.Node] | None:
 def merge_shared_parameters(gm: fx.GraphModule) -> fx.GraphModule:
     """Merge duplicate annotations of one parameter (tied weights) in a joint graph.
 
-    Guarantees: ``unshard`` calls with identical arguments (same shard) become one node, and
-    ``reduce_grad(a) + reduce_grad(b)`` with identical arguments becomes
-    ``reduce_grad(a + b)``: one gather and one reduce per parameter. Exact, because the ops
-    are pure and the averaging reduce is linear. Run before :func:`lower_annotations`.
+    Guarantees: ``unshard`` (or ``replicate``) calls with identical arguments (same shard)
+    become one node, and ``reduce_grad(a) + reduce_grad(b)`` with identical arguments becomes
+    ``reduce_grad(a + b)`` (the same for ``all_reduce_grad``): one gather and one reduce per
+    parameter. Exact, because the ops are pure and the averaging reduce is linear (mixed
+    precision: the sum is taken in the gradients' dtype, before the cast to the reduce dtype,
+    as the backward of one use of the parameter would). Run before :func:`lower_annotations`.
     """
     graph = gm.graph
     first: dict[tuple, fx.Node] = {}
     for node in list(graph.nodes):
-        if is_op(node, annotations.unshard):
+        if is_op(node, annotations.unshard) or is_op(node, annotations.replicate):
             shard = node.args[0]
             while _is_noop_view(shard):
                 shard = shard.args[0]
-            kept = first.setdefault((shard, *node.args[1:-1]), node)  # the name may differ
+            kept = first.setdefault((node.target, shard, *_key(node)[2:]), node)
             if kept is not node:
                 node.replace_all_uses_with(kept)
                 graph.erase_node(node)
         elif node.op == "call_function" and node.target is aten.add.Tensor and len(node.args) == 2 and not node.kwargs:
             chains = [_reduced(arg) for arg in node.args]
-            if None in chains or chains[0][0].args[1:-1] != chains[1][0].args[1:-1]:
+            if None in chains:
+                continue
+            a_key, b_key = _key(chains[0][0]), _key(chains[1][0])
+            if (a_key[0], *a_key[2:]) != (b_key[0], *b_key[2:]):  # all but the gradient itself
                 continue
             (a, *_), (b, *_) = chains
             with graph.inserting_before(node):

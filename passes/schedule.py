@@ -45,18 +45,21 @@ def schedule_overlap(
     ``collective_time`` of the gather; its wait and copy-out sit right before its first use.
     With ``max_inflight_bytes``, d shrinks (down to 0: gather at use) until the gathered bytes
     alive at once stay within the bound; a bound that not even d = 0 meets raises ValueError.
-    Each reduce-scatter is issued right after its last input exists and waited right before
-    the reduce-scatter ``max_reduces_in_flight`` buckets later is issued, or at the end.
+    Each gradient reduction (reduce-scatter, all-reduce) is issued right after its last input
+    exists and waited right before the reduction of its kind ``max_reduces_in_flight``
+    buckets later is issued, or at the end; an all-reduce of a reduce-scatter's result
+    (hybrid sharding) is issued right after that reduce-scatter's wait.
     Numerics unchanged; deterministic (depends on graph structure, shapes and the cost functions).
     """
     graph = gm.graph
     pos = positions(graph.nodes)
     gathers = [_Gather(g, pos) for g in collectives(graph, c10d.all_gather_into_tensor.default)]
-    reduces = collectives(graph, c10d.reduce_scatter_tensor.default)
+    # Reduce-scatters first: all-reduces may wait for them, never the other way round.
+    reduce_kinds = [collectives(graph, op) for op in (c10d.reduce_scatter_tensor.default, c10d.all_reduce.default)]
     moved = {n for g in gathers for n in (*g.issue, *g.outputs)}
-    reduce_issue = [exclusive_inputs(r) + [r] for r in reduces]
-    reduce_outputs = [outputs_of(wait_of(r)) for r in reduces]
-    moved |= {n for group in reduce_issue + reduce_outputs for n in group}
+    reduce_issue = [[exclusive_inputs(r) + [r] for r in reduces] for reduces in reduce_kinds]
+    reduce_outputs = [[outputs_of(wait_of(r)) for r in reduces] for reduces in reduce_kinds]
+    moved |= {n for kind in reduce_issue + reduce_outputs for group in kind for n in group}
 
     # Compute time before each position, over the nodes that stay in place.
     elapsed, total = [], 0.0
@@ -89,13 +92,14 @@ def schedule_overlap(
             priority[n] = g.first_use - 0.25  # after any issue placed at the same point
 
     end = float(len(pos))
-    for issue in reduce_issue:
-        ready = max((pos[a] for n in issue for a in n.all_input_nodes if a not in issue), default=0)
-        for n in issue:
-            priority[n] = ready + 0.5
-    for j, outputs in enumerate(reduce_outputs):
-        later = j + max_reduces_in_flight
-        wait_at = priority[reduces[later]] - 0.25 if later < len(reduces) else end
-        for n in outputs:
-            priority[n] = wait_at
+    for reduces, issues, outputs_by_reduce in zip(reduce_kinds, reduce_issue, reduce_outputs):
+        for issue in issues:  # inputs already rescheduled (a reduce-scatter's wait) count where they now are
+            ready = max((priority[a] for n in issue for a in n.all_input_nodes if a not in issue), default=0)
+            for n in issue:
+                priority[n] = ready + 0.5
+        for j, outputs in enumerate(outputs_by_reduce):
+            later = j + max_reduces_in_flight
+            wait_at = priority[reduces[later]] - 0.25 if later < len(reduces) else end
+            for n in outputs:
+                priority[n] = wait_at
     return reorder(gm, priority)

@@ -7,6 +7,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from gpt import GPT, GPTConfig
 
@@ -72,12 +73,53 @@ def _token_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
+class LoRALinear(nn.Module):
+    """A frozen linear layer plus a trainable low-rank update (LoRA)."""
+
+    def __init__(self, base: nn.Linear, rank: int = 4) -> None:
+        super().__init__()
+        self.base = base.requires_grad_(False)
+        self.lora_a = nn.Parameter(torch.randn(rank, base.in_features) * 0.1)
+        self.lora_b = nn.Parameter(torch.randn(base.out_features, rank) * 0.1)  # not 0: A gets gradients at once
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + (x @ self.lora_a.t()) @ self.lora_b.t()
+
+
+def _lora_gpt() -> GPT:
+    """The GPT frozen but for LoRA adapters in every block: each block's bucket mixes frozen
+    and trainable parameters."""
+    model = _gpt().requires_grad_(False)
+    for block in model.blocks:
+        block.attn.qkv, block.fc = LoRALinear(block.attn.qkv), LoRALinear(block.fc)
+    return model
+
+
+class Checkpointed(nn.Module):
+    """Runs ``inner`` under activation checkpointing (recomputed in backward)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self.inner, *args, use_reentrant=False)
+
+
+def _checkpointed_gpt() -> GPT:
+    model = _gpt()
+    model.blocks = nn.ModuleList(Checkpointed(block) for block in model.blocks)
+    return model
+
+
 MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[int], tuple[torch.Tensor, torch.Tensor]]]] = {
     "mlp": (MLP, _regression_batch),
     "gpt": (_gpt, _token_batch),
     "frozen": (FrozenEncoder, _regression_batch),
     "uneven": (Uneven, _regression_batch),
     "graph_break": (GraphBreak, _regression_batch),
+    "lora": (_lora_gpt, _token_batch),
+    "checkpointed": (_checkpointed_gpt, _token_batch),
 }
 
 

@@ -1,0 +1,173 @@
+"""Sharding strategies: "full" (ZeRO-3), "grad_op" (ZeRO-2), "replicate" (DDP) and "hybrid"
+(HSDP, a 2x2 mesh).
+
+Numerics and storage: one 4-rank gloo run trains each strategy next to a single-process
+reference (the tests below read its results). Graphs: each strategy compiled at world size 8
+on the fake process group, with the collectives it should have and no others.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import fx
+from torch.distributed.device_mesh import init_device_mesh
+
+import autoshard
+from autoshard._compat import c10d
+from autoshard.ops import local_rows
+from autoshard.passes.graph_utils import collectives, positions, wait_of
+from fake_pg import captured_graphs, count, fake_world
+from models import batch, build
+from spawn import run_ranks
+from trainer import BF16, train_mixed_precision, train_pair
+
+WORLD = 4
+TOL = 1e-5
+MAX_NORM = 0.05  # clipped every step: clip_grad_norm_ must see each layout's global norm
+STRATEGIES = ("full", "grad_op", "replicate", "hybrid")
+SHARDS = {"full": WORLD, "grad_op": WORLD, "replicate": 1, "hybrid": 2}  # ranks a parameter is split over
+
+
+def _shard(strategy: str, **kwargs) -> functools.partial:
+    mesh = init_device_mesh("cpu", (2, WORLD // 2)) if strategy == "hybrid" else None  # (replicas, shard)
+    return functools.partial(autoshard.shard, mesh=mesh, strategy=strategy, **kwargs)
+
+
+def _strategies() -> dict[str, dict[str, Any]]:
+    found = {s: train_pair("uneven", _shard(s), max_norm=MAX_NORM) for s in STRATEGIES}
+    found["hybrid_accumulation"] = train_pair("uneven", _shard("hybrid"), micro_batches=2)
+    mixed = autoshard.MixedPrecision(param_dtype=BF16, reduce_dtype=torch.float32)
+    found["hybrid_bf16"] = train_mixed_precision("uneven", _shard("hybrid", mixed_precision=mixed))
+    found["rank"] = dist.get_rank()
+    return found
+
+
+@functools.cache
+def _results() -> list[dict[str, Any]]:
+    return run_ranks(WORLD, _strategies)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_strategy_trains_like_one_process_and_clips_by_the_global_norm(strategy):
+    for rank in _results():
+        found = rank[strategy]
+        assert found["clip_ratio"] > 1
+        assert found["loss"] <= TOL and found["params"] <= TOL and found["norm"] <= TOL, (rank["rank"], found)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_strategy_stores_its_share_of_parameters_gradients_and_optimizer_state(strategy):
+    """Each rank holds exactly its rows of every parameter split over SHARDS[strategy] ranks
+    (0-d parameters whole); AdamW keeps two such tensors per parameter."""
+    shards = SHARDS[strategy]
+    params = list(build("uneven").parameters())
+    full = sum(p.nbytes for p in params)
+    for rank in _results():
+        index = rank["rank"] % shards  # the shard index: the last mesh dimension varies fastest
+        mine = sum(p.nbytes if p.dim() == 0 else local_rows(p.shape[0], shards, index) * p[0].nbytes for p in params)
+        stored = rank[strategy]["stored"]
+        assert stored == {"params": mine, "grads": mine, "optimizer": 2 * mine}, (rank["rank"], stored)
+    largest = max(r[strategy]["stored"]["params"] for r in _results())
+    print(f"{strategy}: the largest rank stores {largest / full:.3f} of the parameters (1/{shards} = {1 / shards:.3f})")
+
+
+def test_hybrid_gradient_accumulation_matches_the_whole_batch():
+    for rank in _results():
+        found = rank["hybrid_accumulation"]
+        assert found["loss"] <= TOL and found["params"] <= TOL and found["graphs"] == 2, (rank["rank"], found)
+
+
+def test_hybrid_mixed_precision_is_the_per_rank_bf16_computation():
+    for rank in _results():
+        found = rank["hybrid_bf16"]
+        assert found["emulated"] <= TOL, (rank["rank"], found)  # see test_training_features for the tolerances
+        assert found["loss"] <= 2 * found["loss_ulp"] and found["params"] <= 2 * found["bf16_params"], found
+        assert found["param_dtypes"] == found["state_dtypes"] == {torch.float32}
+
+
+# Graphs at world size 8 ------------------------------------------------------------------
+
+GRAPH_WORLD = 8
+
+
+def _graphs(strategy: str) -> tuple[fx.GraphModule, fx.GraphModule, dict[str, str]]:
+    """(forward, backward, the process groups' names by role) of a GPT step, schedule autoshard."""
+    torch._dynamo.reset()
+    with fake_world(GRAPH_WORLD), captured_graphs() as graphs:
+        mesh = init_device_mesh("cpu", (2, GRAPH_WORLD // 2)) if strategy == "hybrid" else init_device_mesh("cpu", (GRAPH_WORLD,))
+        groups = {"shard": mesh.get_group(mesh.ndim - 1).group_name, "replica": mesh.get_group(0).group_name}
+        model = autoshard.shard(build("gpt"), mesh, strategy=strategy)
+        x, y = batch("gpt", 0)
+        torch.compile(model, backend="autoshard", options={"compiler": "aot_eager"})(x[:1], y[:1]).backward()
+    return graphs["forward"][0], graphs["backward"][0], groups
+
+
+def _groups(gm: fx.GraphModule, op) -> set[str]:
+    return {n.args[-1] for n in collectives(gm.graph, op)}
+
+
+def test_full_gathers_twice_and_reduce_scatters():
+    fw, bw, _ = _graphs("full")
+    assert count(fw, "all_gather_into_tensor") > 0 and count(bw, "all_gather_into_tensor") > 0
+    assert count(bw, "reduce_scatter_tensor") > 0 and count(fw, "all_reduce") == count(bw, "all_reduce") == 0
+
+
+def test_grad_op_gathers_once_and_reduce_scatters():
+    fw, bw, _ = _graphs("grad_op")
+    assert count(fw, "all_gather_into_tensor") > 0 and count(bw, "all_gather_into_tensor") == 0
+    assert count(bw, "reduce_scatter_tensor") > 0 and count(bw, "all_reduce") == 0
+
+
+def test_replicate_all_reduces_buckets_while_the_backward_computes():
+    fw, bw, _ = _graphs("replicate")
+    assert not [n for n in fw.graph.nodes if "c10d" in str(n.target)]  # nothing to gather
+    assert count(bw, "all_gather_into_tensor") == count(bw, "reduce_scatter_tensor") == 0
+    reduces = collectives(bw.graph, c10d.all_reduce.default)
+    assert 1 < len(reduces) <= 3  # bucketed: one per block, small leftovers merged
+    order = positions(bw.graph.nodes)
+    matmuls = [order[n] for n in bw.graph.nodes if n.op == "call_function" and "mm" in str(n.target)]
+    first, second = reduces[0], reduces[1]
+    # The first bucket is reduced while the next one's gradients are computed, and waited later.
+    assert any(order[first] < m < order[second] for m in matmuls)
+    assert order[wait_of(first)] > order[second]
+
+
+def test_hybrid_reduce_scatters_within_and_all_reduces_across_replicas():
+    fw, bw, groups = _graphs("hybrid")
+    assert _groups(fw, c10d.all_gather_into_tensor.default) == {groups["shard"]}
+    assert _groups(bw, c10d.reduce_scatter_tensor.default) == {groups["shard"]}
+    assert _groups(bw, c10d.all_reduce.default) == {groups["replica"]}
+    assert count(bw, "reduce_scatter_tensor") == count(bw, "all_reduce") > 0  # one all-reduce per bucket
+    for reduce in collectives(bw.graph, c10d.reduce_scatter_tensor.default):
+        assert reduce.args[2] == GRAPH_WORLD // 2  # sharded over 4 ranks, not 8
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"strategy": "zero3"}, r"strategy must be one of \('full', 'grad_op', 'replicate', 'hybrid'\), got 'zero3'"),
+        ({"strategy": "hybrid"}, r"strategy='hybrid' needs a 2-D mesh: pass mesh=init_device_mesh"),
+        ({"strategy": "grad_op", "reshard_after_forward": True}, "strategy='grad_op' keeps full parameters"),
+        ({"strategy": "full", "mesh": (2, 4)}, "strategy='full' needs a 1-D DeviceMesh, got 2-D"),
+        ({"strategy": "hybrid", "mesh": (8,)}, r"strategy='hybrid' needs a 2-D DeviceMesh, got 1-D .*\(replicas, shard_size\)"),
+        ({"mixed_precision": torch.bfloat16}, "mixed_precision must be an autoshard.MixedPrecision, got dtype"),
+    ],
+)
+def test_bad_arguments_are_refused_and_change_nothing(kwargs, message):
+    with fake_world(GRAPH_WORLD):
+        if "mesh" in kwargs:
+            kwargs["mesh"] = init_device_mesh("cpu", kwargs["mesh"])
+        model = build("mlp")
+        before = [(type(m), [id(p) for p in m.parameters()]) for m in model.modules()]
+        with pytest.raises(ValueError, match=message):
+            autoshard.shard(model, **kwargs)
+        assert [(type(m), [id(p) for p in m.parameters()]) for m in model.modules()] == before
+
+
+def test_mixed_precision_dtypes_must_be_floating_point():
+    with pytest.raises(ValueError, match=r"MixedPrecision.param_dtype must be a floating-point torch.dtype or None, got torch.int8"):
+        autoshard.MixedPrecision(param_dtype=torch.int8)
