@@ -159,9 +159,8 @@ def _numel(nbytes: int, world_size: int) -> int:
     return max(1, nbytes // 4 // world_size) * world_size
 
 
-# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor (same ops) and warns on the old names.
+# torch 2.13 renamed all_gather_into_tensor (same op) and warns on the old name.
 _all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
-_reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
 
 def _collective_times(sizes: Sequence[int], repeats: int) -> dict[tuple[str, int], list[float]]:
@@ -225,7 +224,7 @@ def measure(
 ) -> Measurements:
     """Run the measurements described in the module docstring."""
     if not world_sizes or any(w < 2 for w in world_sizes):
-        raise ValueError(f"world sizes must be >= 2, got {list(world_sizes)}")
+        raise ValueError(f"world sizes must be >= 2 (a collective needs two ranks), got {list(world_sizes)}; e.g. --world-sizes 2 4")
     sizes = tuple(sizes or (QUICK_SIZES if quick else DEFAULT_SIZES))
     samples: list[Sample] = []
     compute: dict[str, float] = {}

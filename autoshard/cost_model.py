@@ -146,7 +146,9 @@ def get_profile(name: str | DeviceProfile) -> DeviceProfile:
         try:
             return DeviceProfile.from_json(Path(name).read_text())
         except (OSError, ValueError, TypeError, KeyError) as e:
-            raise ValueError(f"cannot read device profile {name!r}: {e}") from None
+            raise ValueError(
+                f"cannot read device profile {name!r}: {e}; write one with `autoshard calibrate --out {name}`."
+            ) from None
     raise ValueError(f"unknown device profile {name!r}; use one of {sorted(PROFILES)} or a .json profile file.")
 
 

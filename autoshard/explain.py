@@ -120,7 +120,10 @@ def _explain(
             if trainable:
                 sum(t.sum() for t in trainable).backward()
         if not graphs:
-            raise RuntimeError("Dynamo compiled no graph: the model's forward ran no tensor operation.")
+            raise RuntimeError(
+                "Dynamo compiled no graph: the model's forward ran no tensor operation; pass a model (or factory) "
+                "whose forward computes with its parameters and example inputs it accepts."
+            )
         # Built while the fake group lives: collectives are priced by their group's ranks.
         return [Report(stages, options["profile"], title=f"graph {i} of {len(graphs)}, world size {world_size}", rank=0)
                 for i, stages in enumerate(graphs)]
