@@ -7,7 +7,7 @@ taken under the contention training sees:
 
 - compute, in the ranks of the first world size, all ranks at once (a barrier before each timed
   call; median over repeats, then median over ranks): matmul FLOP/s per dtype (square ``mm``,
-  ``2 n^3 / t``, ``n`` doubled from 128 until one call takes a few ms), memory bandwidth
+  ``2 n^3 / t``, ``n`` doubled from 128 until a warm call takes a millisecond), memory bandwidth
   (``torch.add(a, b, out=c)`` on 64 MiB tensors: input + output bytes / t, the bytes
   :func:`~autoshard.cost_model.node_time` counts) and launch overhead (``torch.add`` on
   1-element tensors, per call);
@@ -27,12 +27,10 @@ measured time), so 4 KiB and 16 MiB collectives weigh alike; the fit is non-nega
 from __future__ import annotations
 
 import argparse
-import faulthandler
 import os
 import socket
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from datetime import date
@@ -40,11 +38,11 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from tabulate import tabulate
 
 from ._compat import c10d
 from .cost_model import COLLECTIVE_KINDS, DeviceProfile, Link, collective_time
+from .launch import run_ranks
 
 DEFAULT_SIZES = tuple(4096 * 4**i for i in range(7))  # 4 KiB .. 16 MiB
 QUICK_SIZES = tuple(4096 * 16**i for i in range(4))  # 4 KiB, 64 KiB, 1 MiB, 16 MiB
@@ -92,17 +90,34 @@ def _timed(fn: Callable[[], Any], repeats: int) -> list[float]:
     return times
 
 
-def _matmul_flops(dtype: torch.dtype, repeats: int, min_seconds: float) -> float:
-    # Grow n until one call is long enough to time; all ranks then agree on the largest n.
-    n = 128
-    while n < 2048:
-        a = torch.randn(n, n, dtype=dtype)
+def _warm_seconds(fn: Callable[[], Any], repeats: int = 3) -> float:
+    """Fastest of ``repeats`` timed calls of ``fn`` after an untimed one: the first call at a
+    new shape pays allocation and kernel selection, which would make a small size look slow."""
+    fn()
+    times = []
+    for _ in range(repeats):
         start = time.perf_counter()
-        torch.mm(a, a)
-        if time.perf_counter() - start >= min_seconds:
-            break
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def _matmul_size(seconds_at: Callable[[int], float], min_seconds: float, largest: int = 2048) -> int:
+    """The smallest ``n`` in 128, 256, ... ``largest`` whose ``n x n`` matmul takes ``min_seconds``."""
+    n = 128
+    while n < largest and seconds_at(n) < min_seconds:
         n *= 2
-    agreed = torch.tensor([n])
+    return n
+
+
+def _matmul_flops(dtype: torch.dtype, repeats: int, min_seconds: float) -> float:
+    def seconds_at(n: int) -> float:
+        a = torch.randn(n, n, dtype=dtype)
+        return _warm_seconds(lambda: torch.mm(a, a))
+
+    # Each rank picks its size without collectives (ranks may stop at different n); all then
+    # agree on the largest and time it together.
+    agreed = torch.tensor([_matmul_size(seconds_at, min_seconds)])
     dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
     n = int(agreed)
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
@@ -189,36 +204,6 @@ def _rank_work(sizes: Sequence[int], repeats: int, compute: bool) -> dict[str, A
         return {"compute": figures, "collectives": _collective_times(sizes, repeats)}
 
 
-def _entry(rank: int, world_size: int, init_file: str, out_dir: str, args: tuple) -> None:
-    faulthandler.enable()
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
-    try:
-        torch.save(_rank_work(*args), os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
-
-
-def _run_ranks(world_size: int, args: tuple, timeout: float = 900) -> list[dict[str, Any]]:
-    """``_rank_work(*args)`` on ``world_size`` fresh gloo ranks; their results, by rank."""
-    ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory() as tmp:
-        init_file = os.path.join(tmp, "init")
-        procs = [ctx.Process(target=_entry, args=(r, world_size, init_file, tmp, args)) for r in range(world_size)]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-        alive = [p for p in procs if p.is_alive()]
-        for p in alive:
-            p.kill()
-        if alive:
-            raise TimeoutError(f"calibration: {len(alive)} of {world_size} ranks still running after {timeout}s")
-        if any(p.exitcode for p in procs):
-            raise RuntimeError(f"calibration ranks exited with codes {[p.exitcode for p in procs]}; see their stderr")
-        return [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(world_size)]
-
-
 def measure(
     world_sizes: Sequence[int] = (2, 4), *, sizes: Sequence[int] | None = None, repeats: int = 5, quick: bool = False
 ) -> Measurements:
@@ -229,7 +214,7 @@ def measure(
     samples: list[Sample] = []
     compute: dict[str, float] = {}
     for i, w in enumerate(world_sizes):
-        results = _run_ranks(w, (sizes, repeats, i == 0))
+        results = run_ranks(w, _rank_work, sizes, repeats, i == 0, timeout=900)
         if i == 0:
             compute = {key: statistics.median(r["compute"][key] for r in results) for key in results[0]["compute"]}
         for kind, nbytes in results[0]["collectives"]:

@@ -19,12 +19,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from tabulate import tabulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import autoshard  # noqa: E402
 from autoshard.checkpoint import full_state_dict, load, save  # noqa: E402
+from autoshard.launch import run_ranks  # noqa: E402
 from train_gpt import build_model  # noqa: E402
 
 
@@ -43,17 +43,6 @@ def _setup(args: argparse.Namespace) -> tuple[torch.nn.Module, torch.optim.Optim
     model = autoshard.shard(build_model(args.n_layer, args.n_embd, block_size=args.seq))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     return model, optimizer
-
-
-def _group(rank: int, world: int, init_file: str, fn, *args) -> list[dict]:
-    """``fn(*args)`` on ranks below ``world`` in a process group of that size (the rest wait)."""
-    if rank >= world:
-        return []
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        return fn(*args)
-    finally:
-        dist.destroy_process_group()
 
 
 def _save_and_reload(args: argparse.Namespace, path: str) -> list[dict]:
@@ -76,18 +65,6 @@ def _reload(args: argparse.Namespace, path: str) -> list[dict]:
              "s": _timed(lambda: load(path, model, optimizer))}]
 
 
-def _worker(rank: int, args: argparse.Namespace, tmp: str) -> None:
-    path = os.path.join(args.dir or tmp, "ckpt")
-    rows = _group(rank, args.save_world, f"{tmp}/pg_save", _save_and_reload, args, path)
-    rows += _group(rank, args.load_world, f"{tmp}/pg_load", _reload, args, path)
-    if rank == 0:
-        mb = sum(f.stat().st_size for f in Path(path).iterdir()) / 1e6
-        for row in rows:
-            if row["op"] != "full_state_dict":
-                row.update(mb=mb, mb_per_s=mb / row["s"])
-        torch.save(rows, f"{tmp}/rows.pt")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n-layer", type=int, default=4)
@@ -100,8 +77,13 @@ def main() -> None:
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(args, tmp), nprocs=max(args.save_world, args.load_world))
-        rows = torch.load(f"{tmp}/rows.pt")
+        path = os.path.join(args.dir or tmp, "ckpt")
+        rows = run_ranks(args.save_world, _save_and_reload, args, path, timeout=None)[0]
+        rows += run_ranks(args.load_world, _reload, args, path, timeout=None)[0]
+        mb = sum(f.stat().st_size for f in Path(path).iterdir()) / 1e6
+    for row in rows:
+        if row["op"] != "full_state_dict":
+            row.update(mb=mb, mb_per_s=mb / row["s"])
     params = sum(p.numel() for p in build_model(args.n_layer, args.n_embd, block_size=args.seq).parameters()) / 1e6
     print(f"GPT {args.n_layer} layers x {args.n_embd}, {params:.2f}M parameters, AdamW; "
           f"checkpoint = model + optimizer state (CPU, gloo, local disk)")

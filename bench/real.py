@@ -20,13 +20,11 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from tabulate import tabulate
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
@@ -36,6 +34,7 @@ import autoshard  # noqa: E402
 from autoshard._compat import dynamo_counters as counters  # noqa: E402
 from autoshard.analysis import analyze  # noqa: E402
 from autoshard.dump import recording  # noqa: E402
+from autoshard.launch import run_ranks  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
 
 SYSTEMS = ("ddp", "fsdp2", "fsdp2_compile", "autoshard_none", "autoshard")
@@ -205,27 +204,18 @@ def measure(system: str, args: argparse.Namespace) -> dict:
     return result
 
 
-def run_rank(rank: int, world: int, init_file: str, out_dir: str, args: argparse.Namespace) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+def run_systems(args: argparse.Namespace) -> dict[str, dict]:
+    """This rank's measurements of every system in ``args.systems``."""
+    world = dist.get_world_size()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # ranks share the machine's cores
-    try:
-        results = {}
-        for system in args.systems:
-            results[system] = measure(system, args)
-            if rank == 0:
-                r = results[system]
-                print(f"world {world} {system:15s} warm-up {r['warmup_s']:6.1f} s ({r['graphs']} graphs), "
-                      f"step {r['step_s'] * 1e3:7.1f} ms (rank 0)", file=sys.stderr, flush=True)
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
-
-
-def run_world(world: int, args: argparse.Namespace) -> list[dict]:
-    """Per-rank results of every system on ``world`` fresh gloo ranks."""
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(run_rank, args=(world, os.path.join(tmp, "init"), tmp, args), nprocs=world, start_method="spawn")
-        return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(world)]
+    results = {}
+    for system in args.systems:
+        results[system] = measure(system, args)
+        if dist.get_rank() == 0:
+            r = results[system]
+            print(f"world {world} {system:15s} warm-up {r['warmup_s']:6.1f} s ({r['graphs']} graphs), "
+                  f"step {r['step_s'] * 1e3:7.1f} ms (rank 0)", file=sys.stderr, flush=True)
+    return results
 
 
 def rows_of(world: int, per_rank: list[dict], systems: list[str]) -> list[dict]:
@@ -292,7 +282,7 @@ def main() -> None:
     start = time.perf_counter()
     rows = []
     for world in args.world_sizes:
-        rows += rows_of(world, run_world(world, args), args.systems)
+        rows += rows_of(world, run_ranks(world, run_systems, args, timeout=None), args.systems)
     elapsed = time.perf_counter() - start
 
     params = sum(p.numel() for p in GPT(GPTConfig(args.vocab, args.seq, args.layers, args.heads, args.embd)).parameters())

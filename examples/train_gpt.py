@@ -16,16 +16,15 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import autoshard  # noqa: E402
+from autoshard.launch import run_ranks  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
 
 CORPUS = Path(__file__).resolve().parent / "data" / "tiny.txt"
@@ -117,14 +116,6 @@ def _steps_taken(optimizer: torch.optim.Optimizer) -> int:
     return int(state["step"]) if "step" in state else 0
 
 
-def _spawned(rank: int, world: int, init_file: str, args: argparse.Namespace) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        train(args)
-    finally:
-        dist.destroy_process_group()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=20)
@@ -157,8 +148,7 @@ def main() -> None:
         finally:
             dist.destroy_process_group()
         return
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_spawned, args=(args.world_size, os.path.join(tmp, "init"), args), nprocs=args.world_size)
+    run_ranks(args.world_size, train, args, timeout=None)  # each rank a process, all on this machine
 
 
 if __name__ == "__main__":

@@ -16,9 +16,9 @@ from torch.distributed.tensor import DTensor
 import autoshard
 import autoshard.checkpoint as ckpt
 from autoshard.checkpoint import full_state_dict, load, save
+from autoshard.launch import run_ranks
 from gpt import GPT, GPTConfig
 from models import GLOBAL_BATCH, batch, build
-from spawn import run_ranks
 
 STEPS, SAVE_AT, TOL = 4, 2, 1e-5
 

@@ -1,4 +1,4 @@
-"""Bucketing, overlap scheduling and the memory bound on a 12-layer GPT at world size 8."""
+"""Bucketing, overlap scheduling and the memory bound on a 6-layer GPT at world size 8."""
 from __future__ import annotations
 
 import pytest
@@ -15,22 +15,22 @@ from fake_pg import captured_graphs, fake_world
 from gpt import GPT, GPTConfig
 from models import build
 
-WORLD, LAYERS = 8, 12
+WORLD, LAYERS = 8, 6
 _cache: dict = {}
 
 
-def _gpt12() -> GPT:
+def _deep_gpt() -> GPT:
     torch.manual_seed(0)
     return GPT(GPTConfig(vocab_size=256, block_size=32, n_layer=LAYERS, n_head=4, n_embd=64))
 
 
 def _compile(schedule: str = "autoshard", **options) -> tuple[fx.GraphModule, fx.GraphModule]:
-    """(forward, backward) of the 12-layer GPT compiled at world size 8 (cached per options)."""
+    """(forward, backward) of the 6-layer GPT compiled at world size 8 (cached per options)."""
     key = (schedule, tuple(sorted(options.items())))
     if key not in _cache:
         torch._dynamo.reset()
         with fake_world(WORLD), captured_graphs() as graphs:
-            model = autoshard.shard(_gpt12())
+            model = autoshard.shard(_deep_gpt())
             idx = torch.randint(0, 256, (1, 32))
             opts = {"compiler": "aot_eager", "schedule": schedule, "profile": "h100", **options}
             torch.compile(model, backend="autoshard", options=opts)(idx, idx).backward()

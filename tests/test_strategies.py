@@ -18,11 +18,11 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import autoshard
 from autoshard._compat import c10d
+from autoshard.launch import run_ranks
 from autoshard.ops import local_rows
 from autoshard.passes.graph_utils import collectives, positions, wait_of
 from fake_pg import captured_graphs, count, fake_world
 from models import batch, build
-from spawn import run_ranks
 from trainer import BF16, train_mixed_precision, train_pair
 
 WORLD = 4

@@ -17,10 +17,10 @@ from torch import fx
 
 import autoshard
 from autoshard._compat import c10d
+from autoshard.launch import run_ranks
 from autoshard.passes.graph_utils import PARAMS, collectives
 from fake_pg import captured_graphs, count, fake_world
 from models import batch, build
-from spawn import run_ranks
 from trainer import BF16, train_mixed_precision, train_pair
 
 TOL = 1e-5
