@@ -8,6 +8,7 @@ on the fake process group, with the collectives it should have and no others.
 from __future__ import annotations
 
 import functools
+import tempfile
 from typing import Any
 
 import pytest
@@ -22,13 +23,15 @@ from autoshard.launch import run_ranks
 from autoshard.ops import local_rows
 from autoshard.passes.graph_utils import collectives, positions, wait_of
 from fake_pg import captured_graphs, count, fake_world
-from models import batch, build
-from trainer import BF16, train_mixed_precision, train_pair
+from models import GLOBAL_BATCH, batch, build
+from trainer import BF16, param_error, full_optimizer_state, train_mixed_precision, train_pair
 
 WORLD = 4
 TOL = 1e-5
 MAX_NORM = 0.05  # clipped every step: clip_grad_norm_ must see each layout's global norm
 STRATEGIES = ("full", "grad_op", "replicate", "hybrid")
+# Saved under one strategy, loaded under another: parameters and optimizer state come back bit for bit.
+CHECKPOINT_PAIRS = [("replicate", "replicate"), ("hybrid", "hybrid"), ("hybrid", "full"), ("full", "replicate")]
 SHARDS = {"full": WORLD, "grad_op": WORLD, "replicate": 1, "hybrid": 2}  # ranks a parameter is split over
 
 
@@ -37,8 +40,35 @@ def _shard(strategy: str, **kwargs) -> functools.partial:
     return functools.partial(autoshard.shard, mesh=mesh, strategy=strategy, **kwargs)
 
 
-def _strategies() -> dict[str, dict[str, Any]]:
+def _round_trip(saved_as: str, loaded_as: str, folder: str) -> dict[str, float]:
+    """Train a step as ``saved_as``, save, load into a fresh model sharded as ``loaded_as``:
+    the largest differences in full parameters and in full optimizer state."""
+    torch._dynamo.reset()
+    models, optimizers = [], []
+    for strategy in (saved_as, loaded_as):
+        model = _shard(strategy)(build("uneven"))
+        models.append(model)
+        optimizers.append(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    x, y = batch("uneven", 0)
+    rows = GLOBAL_BATCH // WORLD
+    mine = slice(dist.get_rank() * rows, (dist.get_rank() + 1) * rows)
+    torch.compile(models[0], backend="autoshard", options={"compiler": "aot_eager"})(x[mine], y[mine]).backward()
+    optimizers[0].step()
+    path = f"{folder}/{saved_as}_to_{loaded_as}"
+    autoshard.save(path, models[0], optimizers[0])
+    autoshard.load(path, models[1], optimizers[1])
+    saved, loaded = (full_optimizer_state(m, o) for m, o in zip(models, optimizers))
+    return {
+        "params": param_error(models[1], models[0]),
+        "optimizer": max((saved[k] - loaded[k]).abs().max().item() for k in saved) if saved.keys() == loaded.keys() else float("inf"),
+    }
+
+
+def _strategies(folder: str) -> dict[str, dict[str, Any]]:
     found = {s: train_pair("uneven", _shard(s), max_norm=MAX_NORM) for s in STRATEGIES}
+    for s in ("replicate", "hybrid"):  # PyTorch's bucketing and overlap scheduler on all-reduces
+        found[f"{s}_inductor_schedule"] = train_pair("uneven", _shard(s), schedule="inductor")
+    found["checkpoints"] = {pair: _round_trip(*pair, folder) for pair in CHECKPOINT_PAIRS}
     found["hybrid_accumulation"] = train_pair("uneven", _shard("hybrid"), micro_batches=2)
     mixed = autoshard.MixedPrecision(param_dtype=BF16, reduce_dtype=torch.float32)
     found["hybrid_bf16"] = train_mixed_precision("uneven", _shard("hybrid", mixed_precision=mixed))
@@ -48,7 +78,8 @@ def _strategies() -> dict[str, dict[str, Any]]:
 
 @functools.cache
 def _results() -> list[dict[str, Any]]:
-    return run_ranks(WORLD, _strategies)
+    with tempfile.TemporaryDirectory() as folder:
+        return run_ranks(WORLD, _strategies, folder)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -73,6 +104,20 @@ def test_strategy_stores_its_share_of_parameters_gradients_and_optimizer_state(s
         assert stored == {"params": mine, "grads": mine, "optimizer": 2 * mine}, (rank["rank"], stored)
     largest = max(r[strategy]["stored"]["params"] for r in _results())
     print(f"{strategy}: the largest rank stores {largest / full:.3f} of the parameters (1/{shards} = {1 / shards:.3f})")
+
+
+@pytest.mark.parametrize("strategy", ["replicate", "hybrid"])
+def test_inductor_schedule_buckets_all_reduces_and_trains_alike(strategy):
+    for rank in _results():
+        found = rank[f"{strategy}_inductor_schedule"]
+        assert found["loss"] <= TOL and found["params"] <= TOL, (rank["rank"], found)
+
+
+@pytest.mark.parametrize("saved_as, loaded_as", CHECKPOINT_PAIRS)
+def test_checkpoint_round_trips_between_strategies(saved_as, loaded_as):
+    for rank in _results():
+        found = rank["checkpoints"][saved_as, loaded_as]
+        assert found == {"params": 0.0, "optimizer": 0.0}, (rank["rank"], found)
 
 
 def test_hybrid_gradient_accumulation_matches_the_whole_batch():

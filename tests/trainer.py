@@ -29,8 +29,14 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def _param_error(model: nn.Module, reference: nn.Module) -> float:
-    return max((_full(p) - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters(), strict=True))
+def param_error(model: nn.Module, reference: nn.Module) -> float:
+    return max((_full(p) - _full(q)).abs().max().item() for p, q in zip(model.parameters(), reference.parameters(), strict=True))
+
+
+def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Every optimizer state tensor, full (gathered), by parameter name and state key."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    return {f"{names[id(p)]}.{k}": _full(t) for p, state in optimizer.state.items() for k, t in state.items()}
 
 
 def _global_mean(value: torch.Tensor) -> float:
@@ -39,8 +45,9 @@ def _global_mean(value: torch.Tensor) -> float:
     return value.item() / dist.get_world_size()
 
 
-def _compile(model: nn.Module, compiler: str) -> nn.Module:
-    return model if compiler == "uncompiled" else torch.compile(model, backend="autoshard", options={"compiler": compiler})
+def _compile(model: nn.Module, compiler: str, schedule: str = "autoshard") -> nn.Module:
+    options = {"compiler": compiler, "schedule": schedule}
+    return model if compiler == "uncompiled" else torch.compile(model, backend="autoshard", options=options)
 
 
 def _rank_slice(micro: int, micro_batches: int) -> slice:
@@ -56,6 +63,7 @@ def train_pair(
     shard: Callable[[nn.Module], nn.Module] = autoshard.shard,
     *,
     compiler: str = "aot_eager",
+    schedule: str = "autoshard",
     optimizer: str = "adamw",
     steps: int = 3,
     micro_batches: int = 1,
@@ -73,7 +81,7 @@ def train_pair(
     counters.clear()
     reference = build(name)
     sharded = shard(copy.deepcopy(reference))
-    run = _compile(sharded, compiler)
+    run = _compile(sharded, compiler, schedule)
     ref_opt, opt = _optimizer(optimizer, reference), _optimizer(optimizer, sharded)
     found = {"loss": 0.0, "params": 0.0, "norm": 0.0, "clip_ratio": float("inf")}
     for step in range(steps):
@@ -101,7 +109,7 @@ def train_pair(
         ref_opt.zero_grad()
         opt.zero_grad()
         found["loss"] = max(found["loss"], abs(loss - ref_loss))
-        found["params"] = max(found["params"], _param_error(sharded, reference))
+        found["params"] = max(found["params"], param_error(sharded, reference))
     found["graphs"] = counters["stats"]["unique_graphs"]
     return found
 
@@ -149,9 +157,9 @@ def train_mixed_precision(name: str, shard: Callable[[nn.Module], nn.Module], *,
         found["loss"] = max(found["loss"], abs(_global_mean(loss) - low_loss.item()))
         found["loss_ulp"] = max(found["loss_ulp"], torch.finfo(BF16).eps * 2.0 ** torch.frexp(low_loss.float()).exponent.item() / 2)
         found["bf16_loss"] = max(found["bf16_loss"], abs(low_loss.item() - full_loss.item()))
-        found["params"] = max(found["params"], _param_error(sharded, low))
-        found["emulated"] = max(found["emulated"], _param_error(sharded, emulated))
-        found["bf16_params"] = max(found["bf16_params"], _param_error(low, full))
+        found["params"] = max(found["params"], param_error(sharded, low))
+        found["emulated"] = max(found["emulated"], param_error(sharded, emulated))
+        found["bf16_params"] = max(found["bf16_params"], param_error(low, full))
     found["loss_dtype"] = loss.dtype
     found["param_dtypes"] = {p.dtype for p in sharded.parameters()}
     found["state_dtypes"] = {t.dtype for s in opts[-1].state.values() for t in s.values() if t.dim() > 0}
