@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 
 import pytest
 import torch
@@ -243,12 +242,9 @@ def test_keeping_gathered_parameters_raises_the_gathered_peak(gpt):
     assert keep.comm_bytes["reduce_scatter"] == reshard.comm_bytes["reduce_scatter"]
 
 
-def test_analysis_is_deterministic_and_fast(gpt):
+def test_analysis_is_deterministic(gpt):
     _, fw, bw = gpt()
-    start = time.perf_counter()
-    first = analyze(fw, bw, "cpu")
-    assert time.perf_counter() - start < 1
-    assert analyze(fw, bw, "cpu") == first
+    assert analyze(fw, bw, "cpu") == analyze(fw, bw, "cpu")
 
 
 def _gather_and_compute(wait_early: bool) -> fx.GraphModule:
