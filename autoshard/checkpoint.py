@@ -1,11 +1,14 @@
 """Checkpoints of sharded training that load at any world size.
 
-``save(path, model, optimizer)`` writes the model's and the optimizer's state with
+``save(path, model, optimizer, extra=...)`` writes the model's and the optimizer's state with
 ``torch.distributed.checkpoint`` (DCP): every rank writes only its own DTensor shards, nothing
 is gathered to one rank. Keys are fully qualified names (``model.<fqn>``, ``optim.state.<fqn>.
 exp_avg``, ...) and tensors are stored with their global shapes, so ``load`` reshards: a
 checkpoint saved on 4 ranks loads on 2, on 1 (with or without a process group) or on 8, and
-training continues as if uninterrupted. ``full_state_dict(model)`` gathers one plain state dict.
+training continues as if uninterrupted. ``extra`` carries the rest of a run's state (step,
+LR-scheduler and data-loader state, RNG states): plain data and tensors, the same on every rank,
+stored under one key and handed back by ``load``. ``full_state_dict(model)`` gathers one plain
+state dict.
 
 Guarantees:
 
@@ -66,6 +69,7 @@ from ._compat import DCP_METADATA_CLASSES
 __all__ = ["save", "load", "full_state_dict"]
 
 _MANIFEST = "autoshard_manifest.json"
+_EXTRA = "extra"  # the key of the run's other state, serialised as one blob
 _METADATA = ".metadata"
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)  # optimizer keys by parameter FQN
 _SHOW = 10  # keys named per kind of problem in an error
@@ -175,10 +179,34 @@ def _swap(tmp: Path, path: Path, old: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
-    """Save ``model`` (and ``optimizer``) to the directory ``path``; a collective on all ranks.
+def _pack(extra: dict[str, Any]) -> bytes:
+    """``extra`` as bytes that ``torch.load(weights_only=True)`` reads back, checked now: a
+    value it could not read later (a function, an arbitrary object) fails the save, not the load."""
+    if not isinstance(extra, dict) or not all(isinstance(k, str) for k in extra):
+        raise TypeError(f"extra must be a dict with str keys, got {type(extra).__name__}")
+    buffer = io.BytesIO()
+    try:
+        torch.save(extra, buffer)
+        torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
+    except Exception as e:
+        raise TypeError(f"extra must hold only plain data and tensors (what torch.load(weights_only=True) "
+                        f"reads: numbers, strings, lists, dicts, tensors); save an object's state_dict() instead: {e}") from None
+    return buffer.getvalue()
 
-    Each rank writes its own shards. ``path`` is replaced atomically: until the new checkpoint
+
+def save(
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    extra: dict[str, Any] | None = None,
+) -> None:
+    """Save ``model`` (and ``optimizer``, and ``extra``) to the directory ``path``; a collective
+    on all ranks.
+
+    ``extra``: the run's other state, e.g. ``{"step": step, "scheduler": scheduler.state_dict()}``;
+    plain data and tensors, the same on every rank; :func:`load` returns it. Each rank writes
+    its own shards. ``path`` is replaced atomically: until the new checkpoint
     is complete, the previous one stays loadable. An existing ``path`` that is not a checkpoint
     is never replaced (``ValueError``). ``model`` may be the sharded module or its compiled
     wrapper: the keys are the same.
@@ -186,6 +214,10 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     path = Path(path)
     tmp, old = _siblings(path)
     rank, world = _rank_world()
+    packed = None if extra is None else _pack(extra)  # before anything changes
+    state = _state_dict(model, optimizer)
+    if packed is not None:
+        state[_EXTRA] = packed
     if path.exists() and not (path / _MANIFEST).exists():  # checked on every rank: all raise
         raise ValueError(f"{path} exists and is not an autoshard checkpoint; not replacing it")
     if rank == 0:
@@ -196,7 +228,7 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
         tmp.mkdir(parents=True)
     _barrier()
     with _single_process_ok():
-        dcp.save(_state_dict(model, optimizer), storage_writer=dcp.FileSystemWriter(tmp), no_dist=not _distributed())
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), no_dist=not _distributed())
     names = sorted(p.name for p in tmp.iterdir())  # dcp.save returns once every file is written
     sums = _on_all_ranks([(n, _checksum(tmp / n)) for n in names[rank::world]])
     if rank == 0:
@@ -274,8 +306,9 @@ def _verify_files(path: Path, files: dict[str, list[int]], metadata: Metadata) -
                          f"(size or CRC32 differs from {_MANIFEST}); " + _listing("keys stored there", keys))
 
 
-def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
+def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
     """Load a checkpoint written by :func:`save` into ``model`` (and ``optimizer``); a collective.
+    Returns the ``extra`` the checkpoint was saved with (``{}`` if none).
 
     The world size and sharding may differ from the saving run's: tensors are resharded. The
     checkpoint must hold exactly the model's keys (and the optimizer's, if given; optimizer
@@ -303,6 +336,8 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
         _compare(path, expected, metadata, ("model.", "optim.") if optimizer is not None else ("model.",))
         _verify_files(path, files, metadata)
         loaded = {k: torch.empty_like(v) if isinstance(v, torch.Tensor) else v for k, v in expected.items()}
+        if isinstance(metadata.state_dict_metadata.get(_EXTRA), BytesStorageMetadata):
+            loaded[_EXTRA] = b""
         try:
             with _single_process_ok():
                 dcp.load(loaded, storage_reader=_Reader(path, metadata), planner=_Planner(), no_dist=not _distributed())
@@ -315,10 +350,12 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     finally:
         for p, g in grads.items():
             p.grad = g
+    extra = torch.load(io.BytesIO(loaded[_EXTRA]), weights_only=True) if _EXTRA in loaded else {}
     set_model_state_dict(model, {k[len("model."):]: v for k, v in loaded.items() if k.startswith("model.")})
     if optimizer is not None:
         optim = {k[len("optim."):]: v for k, v in loaded.items() if k.startswith("optim.")}
         set_optimizer_state_dict(model, optimizer, optim, options=_FLAT)
+    return extra
 
 
 def full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, torch.Tensor]:

@@ -70,8 +70,7 @@ def train(args: argparse.Namespace) -> None:
 
     start = 0
     if args.resume:  # any world size: the checkpoint is resharded on load
-        autoshard.load(args.resume, model, optimizer)
-        start = _steps_taken(optimizer)
+        start = autoshard.load(args.resume, model, optimizer)["step"]
         if rank == 0:
             print(f"resumed from {args.resume} at step {start}", flush=True)
     data = load_corpus()
@@ -96,7 +95,7 @@ def train(args: argparse.Namespace) -> None:
         if rank == 0:
             print(f"step {step:3d}  loss {mean_loss.item() / world:.4f}", flush=True)
         if args.save and (step + 1 == args.steps or args.save_every and (step + 1) % args.save_every == 0):
-            autoshard.save(args.save, model, optimizer)  # each rank writes its shards
+            autoshard.save(args.save, model, optimizer, extra={"step": step + 1})  # each rank writes its shards
             if rank == 0:
                 print(f"saved step {step + 1} to {args.save}", flush=True)
 
@@ -108,12 +107,6 @@ def train(args: argparse.Namespace) -> None:
         for r, (shard, state) in enumerate(t.tolist() for t in per_rank):
             print(f"rank {r}: parameter shard {shard / 1e3:.1f} kB of {full_bytes / 1e3:.1f} kB "
                   f"({shard / full_bytes:.3f}), optimizer state {state / 1e3:.1f} kB", flush=True)
-
-
-def _steps_taken(optimizer: torch.optim.Optimizer) -> int:
-    """Steps the loaded run had taken: AdamW counts them per parameter (batches are seeded by step)."""
-    state = next(iter(optimizer.state.values()), {})
-    return int(state["step"]) if "step" in state else 0
 
 
 def main() -> None:

@@ -2,6 +2,7 @@
 saves are atomic; truncated, corrupted or mismatched checkpoints fail clearly and change nothing."""
 from __future__ import annotations
 
+import io
 import json
 import os
 import pickle
@@ -292,3 +293,44 @@ def test_metadata_is_unpickled_with_an_allowlist(tmp_path) -> None:
     with pytest.raises(ValueError, match="builtins.exec, which is not allowed"):
         load(path, model)
     assert not marker.exists()
+
+
+def test_extra_state_comes_back_and_only_plain_data_is_saved_or_read(tmp_path, monkeypatch) -> None:
+    path, marker = tmp_path / "ckpt", tmp_path / "pwned"
+    model = build("gpt")
+    opt = _adamw(model)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    _train(model, opt, range(2))
+    scheduler.step()
+    scheduler.step()
+    rng = torch.get_rng_state()
+    save(path, model, opt, extra={"step": 2, "scheduler": scheduler.state_dict(), "rng": rng})
+
+    fresh = build("gpt", seed=1)
+    fresh_opt = _adamw(fresh)
+    fresh_scheduler = torch.optim.lr_scheduler.StepLR(fresh_opt, step_size=1, gamma=0.5)
+    extra = load(path, fresh, fresh_opt)
+    fresh_scheduler.load_state_dict(extra["scheduler"])
+    assert extra["step"] == 2 and torch.equal(extra["rng"], rng)
+    assert fresh_scheduler.get_last_lr() == scheduler.get_last_lr() == [1e-3 / 4]
+    save(tmp_path / "plain", fresh)
+    assert load(tmp_path / "plain", fresh) == {}  # saved without extra
+
+    # An object torch.load(weights_only=True) could not read back is refused before anything is written.
+    saved = _snapshot(model, opt)
+    with pytest.raises(TypeError, match=r"extra must hold only plain data and tensors .* state_dict\(\)"):
+        save(path, model, opt, extra={"loader": _Exploit(marker)})
+    assert _same(_snapshot(model, opt), saved) and load(path, fresh, fresh_opt)["step"] == 2
+
+    # A checkpoint whose extra state would run code when unpickled fails to load and changes nothing.
+    def malicious(extra: dict) -> bytes:
+        buffer = io.BytesIO()
+        torch.save(_Exploit(marker), buffer)
+        return buffer.getvalue()
+
+    monkeypatch.setattr(ckpt, "_pack", malicious)
+    save(path, model, opt, extra={})
+    before = _snapshot(fresh, fresh_opt)
+    with pytest.raises(Exception, match="Weights only load failed"):
+        load(path, fresh, fresh_opt)
+    assert not marker.exists() and _same(_snapshot(fresh, fresh_opt), before)
