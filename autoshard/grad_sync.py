@@ -17,7 +17,7 @@ recompiles nothing after each has compiled once.
 """
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 from torch import nn
@@ -39,43 +39,70 @@ def _sink(param: nn.Parameter, dtype: torch.dtype) -> torch.Tensor:
     return existing
 
 
-def _reduce(param: nn.Parameter, spec, grad: torch.Tensor) -> torch.Tensor:
-    """This rank's part of ``grad`` averaged over the data-parallel ranks, in the parameter's dtype."""
-    if spec.dim0 < 0:
-        return ops.all_reduce_grad(
-            grad, spec.group_name, spec.world_size, spec.name, spec.reduce_dtype, param.dtype, spec.replica_group, spec.replicas
-        )
-    rows = param.to_local().shape[0]
-    return ops.reduce_grad(
-        grad, spec.group_name, spec.world_size, rows, spec.name, spec.reduce_dtype, param.dtype, spec.replica_group, spec.replicas
-    )
+FLUSH_BUCKET_BYTES = 64 * 2**20  # one flush collective's buffer at most: bounds the extra memory
+
+
+def _reduce_bucket(items: list[tuple[nn.Parameter, Any, torch.Tensor]]) -> list[torch.Tensor]:
+    """Each accumulated gradient of ``items`` (parameters that reduce alike) reduced to this
+    rank's part, averaged over the data-parallel ranks, with one collective for all of them."""
+    param, spec, _ = items[0]
+    args = (spec.group_name, spec.world_size)
+    tail = ("flush", spec.reduce_dtype, param.dtype, spec.replica_group, spec.replicas)
+    if spec.dim0 < 0:  # replicated: all-reduce the gradients end to end
+        sizes = [g.numel() for _, _, g in items]
+        flat = ops.all_reduce_grad(torch.cat([g.reshape(-1) for _, _, g in items]), *args, *tail)
+        return [piece.view(p.shape) for piece, (p, _, _) in zip(flat.split(sizes), items)]
+    # Sharded: each gradient padded and laid out rank-major, [world, its rows per rank], side by
+    # side; row r of the bucket is then rank r's part of every gradient, so a reduce-scatter of
+    # the bucket's rows hands every rank its rows of each.
+    chunks = [ops.chunk_rows(s.dim0, spec.world_size) for _, s, _ in items]
+    cols = [ops.pad_rows(g, c * spec.world_size).reshape(spec.world_size, -1) for (_, _, g), c in zip(items, chunks)]
+    mine = ops.reduce_grad(torch.cat(cols, dim=1), *args, 1, *tail).view(-1)
+    pieces = mine.split([c.shape[1] for c in cols])
+    return [piece.view(c, *p.shape[1:])[: p.to_local().shape[0]] for piece, c, (p, _, _) in zip(pieces, chunks, items)]
+
+
+def _buckets(items: list[tuple[nn.Parameter, Any, torch.Tensor]]) -> list[list[tuple[nn.Parameter, Any, torch.Tensor]]]:
+    """``items`` grouped by how they are reduced, in order, each group cut at FLUSH_BUCKET_BYTES."""
+    groups: dict[tuple, list[list]] = {}
+    for item in items:
+        param, spec, grad = item
+        key = (spec.dim0 < 0, spec.group_name, spec.world_size, spec.reduce_dtype, param.dtype, grad.dtype, spec.replica_group, spec.replicas)
+        runs = groups.setdefault(key, [[]])
+        if runs[-1] and sum(g.nbytes for _, _, g in runs[-1]) + grad.nbytes > FLUSH_BUCKET_BYTES:
+            runs.append([])
+        runs[-1].append(item)
+    return [run for runs in groups.values() for run in runs]
 
 
 def _flush(modules: list[nn.Module]) -> None:
-    """Reduce every accumulated sink gradient into its parameter's ``.grad``; free the sinks'."""
-    seen: set[int] = set()
+    """Reduce every accumulated sink gradient into its parameter's ``.grad``, a bucket per
+    collective; free the sinks' gradients."""
+    pending, seen = [], set()
+    for module in modules:
+        for name, sink in sorted(getattr(module, SINKS, {}).items()):  # same order on every rank
+            if sink.grad is None or id(sink) in seen:
+                continue
+            seen.add(id(sink))
+            pending.append((module._parameters[name], module._autoshard_specs[name], sink.grad))
+            sink.grad = None
     with torch.no_grad():
-        for module in modules:
-            for name, sink in sorted(getattr(module, SINKS, {}).items()):  # same order on every rank
-                if sink.grad is None or id(sink) in seen:
-                    continue
-                seen.add(id(sink))
-                param = module._parameters[name]
-                reduced = _reduce(param, module._autoshard_specs[name], sink.grad)
+        for bucket in _buckets(pending):
+            for (param, _, _), reduced in zip(bucket, _reduce_bucket(bucket)):
                 grad = DTensor.from_local(reduced, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride())
                 if param.grad is None:
                     param.grad = grad
                 else:
                     param.grad.add_(grad)
-                sink.grad = None
 
 
 def set_requires_gradient_sync(modules: Iterable[nn.Module], requires_gradient_sync: bool) -> None:
     """Turn gradient synchronisation of the sharded parameters of ``modules`` off or on.
 
     Off: later backwards accumulate full local gradients in sinks (see the module docstring).
-    On: the accumulated gradients are reduced now, with blocking collectives, so every rank
-    must call it (in the same order), as every rank runs the same training loop.
+    On: the accumulated gradients are reduced now, one blocking collective per bucket of
+    parameters that reduce alike (up to FLUSH_BUCKET_BYTES), so every rank must call it (in
+    the same order), as every rank runs the same training loop.
     """
     if not isinstance(requires_gradient_sync, bool):
         raise ValueError(f"set_requires_gradient_sync takes True or False, got {requires_gradient_sync!r}.")

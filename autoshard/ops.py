@@ -44,7 +44,7 @@ def local_rows(dim0: int, world_size: int, rank: int) -> int:
     return max(0, min(chunk, dim0 - rank * chunk))
 
 
-def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+def pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     missing = rows - t.shape[0]
     if missing == 0:
         return t
@@ -86,7 +86,7 @@ def unshard(
     ``reshard``: free the result after forward and gather again in backward. Backward:
     :func:`reduce_grad`, or the full gradient to ``sink`` when one is given.
     """
-    padded = _pad_rows(_cast(shard, param_dtype), chunk_rows(dim0, world_size)).contiguous()
+    padded = pad_rows(_cast(shard, param_dtype), chunk_rows(dim0, world_size)).contiguous()
     gathered = c10d.wait_tensor(c10d.all_gather_into_tensor(padded, world_size, group_name))
     return gathered[:dim0].clone()
 
@@ -112,7 +112,7 @@ def reduce_grad(
     ranks (``group_name``, then ``replica_group``), to this rank's ``shard_rows`` rows in
     ``out_dtype``."""
     grad = _cast(grad, reduce_dtype)
-    padded = _pad_rows(grad, chunk_rows(grad.shape[0], world_size) * world_size).contiguous()
+    padded = pad_rows(grad, chunk_rows(grad.shape[0], world_size) * world_size).contiguous()
     reduced = c10d.wait_tensor(c10d.reduce_scatter_tensor(padded, "avg", world_size, group_name))
     # Over the replicas on the padded shard, as the lowered graph does: the same shape on every rank.
     return _new(_average_over_replicas(reduced, replica_group, replicas)[:shard_rows], out_dtype)

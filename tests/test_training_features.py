@@ -13,9 +13,11 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import fx
 
 import autoshard
+from autoshard import grad_sync, ops
 from autoshard._compat import c10d
 from autoshard.launch import run_ranks
 from autoshard.passes.graph_utils import PARAMS, collectives
@@ -28,9 +30,42 @@ MAX_NORM = 0.05  # well below the gradients' norm, so clipping changes every ste
 BF16_COMPUTE = autoshard.MixedPrecision(param_dtype=BF16, reduce_dtype=torch.float32)
 
 
+def _one_collective_each(param, spec, grad: torch.Tensor) -> torch.Tensor:
+    tail = (spec.name, spec.reduce_dtype, param.dtype, spec.replica_group, spec.replicas)
+    if spec.dim0 < 0:
+        return ops.all_reduce_grad(grad, spec.group_name, spec.world_size, *tail)
+    return ops.reduce_grad(grad, spec.group_name, spec.world_size, param.to_local().shape[0], *tail)
+
+
+def _difference(a: torch.Tensor, b: torch.Tensor) -> float:
+    if a.shape != b.shape:
+        return float("inf")
+    return (a - b).abs().max().item() if a.numel() else 0.0
+
+
+def _bucketed_flush() -> dict[str, Any]:
+    """Reduce made-up accumulated gradients of every "uneven" parameter (padded, empty and 0-d
+    shards) with one collective each and in buckets (capped at a third of them, so buckets are
+    cut); the largest difference and the collective counts."""
+    model = autoshard.shard(build("uneven"))
+    torch.manual_seed(dist.get_rank())  # ranks accumulated different gradients
+    items = [(p, m._autoshard_specs[n], torch.randn(p.shape)) for m in model.modules()
+             for n, p in sorted(m._parameters.items()) if n in getattr(m, "_autoshard_specs", {})]
+    cap, grad_sync.FLUSH_BUCKET_BYTES = grad_sync.FLUSH_BUCKET_BYTES, sum(g.nbytes for _, _, g in items) // 3
+    try:
+        buckets = grad_sync._buckets(items)
+    finally:
+        grad_sync.FLUSH_BUCKET_BYTES = cap
+    reduced = {id(p): r for bucket in buckets for (p, _, _), r in zip(bucket, grad_sync._reduce_bucket(bucket))}
+    diffs = [_difference(reduced[id(p)], _one_collective_each(p, spec, g)) for p, spec, g in items]
+    return {"error": max(diffs), "parameters": len(items), "buckets": len(buckets),
+            "kinds": len({spec.dim0 < 0 for _, spec, _ in items})}
+
+
 def _features() -> dict[str, dict[str, Any]]:
     mixed = functools.partial(autoshard.shard, mixed_precision=BF16_COMPUTE)
     return {
+        "flush": _bucketed_flush(),
         "clip": train_pair("uneven", optimizer="sgd", max_norm=MAX_NORM),  # padded, empty and 0-d shards
         "lora": train_pair("lora"),
         "checkpointed": train_pair("checkpointed"),
@@ -46,7 +81,8 @@ def _results() -> dict[str, dict[str, Any]]:
     ranks = run_ranks(2, _features)
     for other in ranks[1:]:
         for feature, found in other.items():
-            assert found["params"] == ranks[0][feature]["params"], feature
+            key = "error" if feature == "flush" else "params"
+            assert found[key] == ranks[0][feature][key], feature
     return ranks[0]
 
 
@@ -64,6 +100,12 @@ def test_lora_trains_like_one_process():
 def test_activation_checkpointing_trains_like_one_process():
     found = _results()["checkpointed"]
     assert found["params"] <= TOL and found["loss"] <= TOL, found
+
+
+def test_turning_sync_back_on_reduces_accumulated_gradients_in_buckets():
+    found = _results()["flush"]
+    assert found["error"] == 0, found  # the same sums, fewer collectives
+    assert found["kinds"] + 1 < found["buckets"] < found["parameters"], found  # cut at the cap
 
 
 def test_gradient_accumulation_matches_the_whole_batch_with_two_compiled_variants():
