@@ -32,7 +32,7 @@ import socket
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import date
 from typing import Any, Callable, Sequence
 
@@ -47,6 +47,7 @@ from .launch import run_ranks
 DEFAULT_SIZES = tuple(4096 * 4**i for i in range(7))  # 4 KiB .. 16 MiB
 QUICK_SIZES = tuple(4096 * 16**i for i in range(4))  # 4 KiB, 64 KiB, 1 MiB, 16 MiB
 MATMUL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_DTYPE_NAMES = tuple(str(dt).removeprefix("torch.") for dt in MATMUL_DTYPES)
 _MIN_INV_BANDWIDTH = 1e-15  # 1/bandwidth's floor: bandwidth stays finite (<= 1e15 B/s)
 
 
@@ -124,9 +125,12 @@ def _matmul_flops(dtype: torch.dtype, repeats: int, min_seconds: float) -> float
     return 2 * n**3 / statistics.median(_timed(lambda: torch.mm(a, b), repeats))
 
 
-def _compute_figures(repeats: int) -> dict[str, float]:
+def compute_figures(repeats: int) -> dict[str, float]:
+    """This rank's compute figures, measured as the module docstring says; every rank of the
+    default group must call it together. Keys: the dtype names of MATMUL_DTYPES (FLOP/s),
+    ``mem_bandwidth``, ``op_overhead``, ``launch_overhead``, ``comm_overlap``."""
     # Matmuls of about a millisecond, the size of a small model's layers: big ones run faster.
-    figures = {str(dt).removeprefix("torch."): _matmul_flops(dt, repeats, 0.001) for dt in MATMUL_DTYPES}
+    figures = {name: _matmul_flops(dt, repeats, 0.001) for name, dt in zip(_DTYPE_NAMES, MATMUL_DTYPES)}
     a, b, c = (torch.ones(16 * 2**20) for _ in range(3))  # 64 MiB each, well past the caches
     figures["mem_bandwidth"] = 3 * a.nbytes / statistics.median(_timed(lambda: torch.add(a, b, out=c), repeats))
     # Overheads as aot_eager graphs pay them: ATen overloads called one by one from Python.
@@ -200,7 +204,7 @@ def _collective_times(sizes: Sequence[int], repeats: int) -> dict[tuple[str, int
 def _rank_work(sizes: Sequence[int], repeats: int, compute: bool) -> dict[str, Any]:
     torch.set_num_threads(_threads(dist.get_world_size()))
     with torch.no_grad():
-        figures = _compute_figures(repeats) if compute else {}
+        figures = compute_figures(repeats) if compute else {}
         return {"compute": figures, "collectives": _collective_times(sizes, repeats)}
 
 
@@ -221,13 +225,27 @@ def measure(
             seconds = max(statistics.median(r["collectives"][kind, nbytes]) for r in results)
             samples.append(Sample(kind, w, nbytes, seconds))
     return Measurements(
-        peak_flops={str(dt).removeprefix("torch."): compute[str(dt).removeprefix("torch.")] for dt in MATMUL_DTYPES},
+        peak_flops={name: compute[name] for name in _DTYPE_NAMES},
         mem_bandwidth=compute["mem_bandwidth"],
         launch_overhead=compute["launch_overhead"],
         op_overhead=compute["op_overhead"],
         comm_overlap=compute["comm_overlap"],
         samples=samples,
         threads={w: _threads(w) for w in world_sizes},
+    )
+
+
+def with_compute(profile: DeviceProfile, figures: dict[str, float], name: str) -> DeviceProfile:
+    """``profile`` with the compute figures of :func:`compute_figures` instead of its own; its
+    links (collective latencies and bandwidths) unchanged."""
+    return replace(
+        profile,
+        name=name,
+        peak_flops={dtype: figures[dtype] for dtype in _DTYPE_NAMES},
+        mem_bandwidth=figures["mem_bandwidth"],
+        launch_overhead=figures["launch_overhead"],
+        op_overhead=figures["op_overhead"],
+        comm_overlap=figures["comm_overlap"],
     )
 
 

@@ -78,14 +78,13 @@ def _buckets(items: list[tuple[nn.Parameter, Any, torch.Tensor]]) -> list[list[t
 def _flush(modules: list[nn.Module]) -> None:
     """Reduce every accumulated sink gradient into its parameter's ``.grad``, a bucket per
     collective; free the sinks' gradients."""
-    pending, seen = [], set()
+    pending, sinks = [], {}
     for module in modules:
         for name, sink in sorted(getattr(module, SINKS, {}).items()):  # same order on every rank
-            if sink.grad is None or id(sink) in seen:
+            if sink.grad is None or id(sink) in sinks:
                 continue
-            seen.add(id(sink))
+            sinks[id(sink)] = sink
             pending.append((module._parameters[name], module._autoshard_specs[name], sink.grad))
-            sink.grad = None
     with torch.no_grad():
         for bucket in _buckets(pending):
             for (param, _, _), reduced in zip(bucket, _reduce_bucket(bucket)):
@@ -94,6 +93,8 @@ def _flush(modules: list[nn.Module]) -> None:
                     param.grad = grad
                 else:
                     param.grad.add_(grad)
+    for sink in sinks.values():
+        sink.grad = None
 
 
 def set_requires_gradient_sync(modules: Iterable[nn.Module], requires_gradient_sync: bool) -> None:
