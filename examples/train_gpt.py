@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import autoshard  # noqa: E402
-from autoshard.launch import run_ranks  # noqa: E402
+from autoshard.launch import exit_without_finalization, run_ranks  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
 
 CORPUS = Path(__file__).resolve().parent / "data" / "tiny.txt"
@@ -140,7 +140,7 @@ def main() -> None:
             train(args)
         finally:
             dist.destroy_process_group()
-        return
+        exit_without_finalization()  # gloo can abort in Python's shutdown otherwise (see its docstring)
     run_ranks(args.world_size, train, args, timeout=None)  # each rank a process, all on this machine
 
 
