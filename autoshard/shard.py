@@ -104,6 +104,12 @@ def _sharded_class(cls: type, names: tuple[str, ...]) -> type:
     return _subclasses[key]
 
 
+def _reclass(module: nn.Module) -> None:
+    """Move ``module`` to the sharded subclass for the parameters it annotates (none: only
+    :class:`ShardedModule`'s methods)."""
+    module.__class__ = _sharded_class(type(module), tuple(sorted(getattr(module, "_autoshard_specs", {}))))
+
+
 def _default_mesh(module: nn.Module) -> DeviceMesh:
     device = next(iter(module.parameters()), torch.empty(0)).device
     return init_device_mesh(device.type, (dist.get_world_size(),))
@@ -211,7 +217,7 @@ def shard(
                 "use torch.autocast for mixed precision in a single process.",
                 stacklevel=2,
             )
-        module.__class__ = _sharded_class(type(module), tuple(sorted(getattr(module, "_autoshard_specs", {}))))
+        _reclass(module)
         setattr(module, _SHARDED, True)
         return module
     mesh = mesh if mesh is not None else _default_mesh(module)
@@ -264,9 +270,9 @@ def shard(
             setattr(new, _SPEC, spec)
             mod._parameters[name] = new
         mod._autoshard_specs = {**getattr(mod, "_autoshard_specs", {}), **specs}
-        mod.__class__ = _sharded_class(type(mod), tuple(sorted(mod._autoshard_specs)))
+        _reclass(mod)
         setattr(mod, grad_sync.SYNC, getattr(mod, grad_sync.SYNC, True))
-    module.__class__ = _sharded_class(type(module), tuple(sorted(getattr(module, "_autoshard_specs", {}))))
+    _reclass(module)
     if mixed_precision is not None and mixed_precision.param_dtype is not None and mixed_precision.cast_forward_inputs:
         module.register_forward_pre_hook(cast_inputs_hook(mixed_precision.param_dtype), with_kwargs=True)
     setattr(module, _SHARDED, True)

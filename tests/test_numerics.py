@@ -1,7 +1,6 @@
 """Sharded training matches single-process training on the whole global batch (gloo, CPU)."""
 from __future__ import annotations
 
-import copy
 import functools
 
 import pytest
@@ -10,52 +9,22 @@ import torch.distributed as dist
 
 import autoshard
 from autoshard.launch import run_ranks
-from models import GLOBAL_BATCH, batch, build
+from models import batch, build
+from trainer import OPTIMIZERS, train_pair
 
 STEPS = 5
 TOL = 1e-5
-OPTIMIZERS = {
-    "sgd": lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9),
-    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1),
-}
 
 
 def _train_and_compare(configs: list[tuple]) -> dict[tuple, tuple[float, float]]:
     """On each rank: for each (model, mode, optimizer[, schedule]), train a sharded copy on
     this rank's slice of every batch next to a reference on the whole batch; return the largest
     loss and parameter differences seen over all steps."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    per_rank = GLOBAL_BATCH // world
     errors = {}
     for config in configs:
-        name, mode, opt_name, *schedule = config
-        options = {"compiler": mode, **({"schedule": schedule[0]} if schedule else {})}
-        torch._dynamo.reset()
-        reference = build(name)
-        model = autoshard.shard(copy.deepcopy(reference))
-        run = model if mode == "uncompiled" else torch.compile(model, backend="autoshard", options=options)
-        ref_opt = OPTIMIZERS[opt_name]([p for p in reference.parameters() if p.requires_grad])
-        opt = OPTIMIZERS[opt_name]([p for p in model.parameters() if p.requires_grad])
-        loss_err = param_err = 0.0
-        for step in range(STEPS):
-            x, y = batch(name, step)
-            ref_loss = reference(x, y)
-            ref_loss.backward()
-            ref_opt.step()
-            ref_opt.zero_grad()
-
-            mine = slice(rank * per_rank, (rank + 1) * per_rank)
-            loss = run(x[mine], y[mine])
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-
-            global_loss = loss.detach().clone()
-            dist.all_reduce(global_loss)
-            loss_err = max(loss_err, abs(global_loss.item() / world - ref_loss.item()))
-            for (pname, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
-                param_err = max(param_err, (p.full_tensor() - q).abs().max().item())
-        errors[config] = (loss_err, param_err)
+        name, mode, optimizer, *schedule = config
+        found = train_pair(name, compiler=mode, optimizer=optimizer, steps=STEPS, schedule=schedule[0] if schedule else "autoshard")
+        errors[config] = (found["loss"], found["params"])
     return errors
 
 
