@@ -36,7 +36,7 @@ from ._compat import (
     register_backend,
     save_random_ops_in_checkpoints,
 )
-from .consistency import check_ranks_agree
+from .consistency import check_ranks_agree, fails_together
 from .cost_model import DeviceProfile, estimators, get_profile
 from .dump import GraphDump
 from .options import Options, parse_options
@@ -77,6 +77,7 @@ def _mib(value: float | None) -> int | None:
     return None if value is None else int(value * 2**20)
 
 
+@fails_together
 def _finish(gm: fx.GraphModule, stage: str, dump: GraphDump, opts: Options, inference: bool = False) -> fx.GraphModule:
     """Lower (a graph compiled without autograd never went through the joint pass), bucket
     and schedule one partitioned graph, check all ranks agree on it, and dump it (with the
@@ -108,6 +109,7 @@ def autoshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options
     if opts.compiler == "eager":
         return gm.forward
 
+    @fails_together
     def joint_pass(joint: fx.GraphModule, joint_inputs: Any) -> fx.GraphModule:
         dump.write("joint", joint)
         save_random_ops_in_checkpoints(joint)  # a torch 2.13 bug, see there

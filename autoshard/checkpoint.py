@@ -65,6 +65,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from ._compat import DCP_METADATA_CLASSES
+from .fail_together import fail_together
+from .shard import parameters_as_shards
 
 __all__ = ["save", "load", "full_state_dict"]
 
@@ -113,9 +115,9 @@ def _rank_world() -> tuple[int, int]:
     return (dist.get_rank(), dist.get_world_size()) if _distributed() else (0, 1)
 
 
-def _barrier() -> None:
+def _barrier(group: dist.ProcessGroup | None) -> None:
     if _distributed():
-        dist.barrier()
+        dist.barrier(group=group)
 
 
 @contextmanager
@@ -135,9 +137,11 @@ def _state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> di
 
     With an optimizer whose state is still empty, DCP first initialises it with a zero-lr step.
     """
-    if optimizer is None:
-        return {f"model.{k}": v for k, v in get_model_state_dict(model).items()}
-    msd, osd = get_state_dict(model, optimizer, options=_FLAT)
+    # DCP reads parameters by attribute path: as shards, or each read would gather it.
+    with parameters_as_shards():
+        if optimizer is None:
+            return {f"model.{k}": v for k, v in get_model_state_dict(model).items()}
+        msd, osd = get_state_dict(model, optimizer, options=_FLAT)
     return {**{f"model.{k}": v for k, v in msd.items()}, **{f"optim.{k}": v for k, v in osd.items()}}
 
 
@@ -153,12 +157,12 @@ def _checksum(file: Path) -> list[int] | None:
         return None
 
 
-def _on_all_ranks(mine: list) -> list:
+def _on_all_ranks(mine: list, group: dist.ProcessGroup | None) -> list:
     """Concatenate every rank's ``mine`` (in rank order) on every rank."""
     if not _distributed():
         return mine
     gathered: list[list] = [[] for _ in range(dist.get_world_size())]
-    dist.all_gather_object(gathered, mine)
+    dist.all_gather_object(gathered, mine, group=group)
     return [x for part in gathered for x in part]
 
 
@@ -209,37 +213,48 @@ def save(
     its own shards. ``path`` is replaced atomically: until the new checkpoint
     is complete, the previous one stays loadable. An existing ``path`` that is not a checkpoint
     is never replaced (``ValueError``). ``model`` may be the sharded module or its compiled
-    wrapper: the keys are the same.
+    wrapper: the keys are the same. An existing empty directory is fine.
+
+    If it fails on one rank, it fails on every rank within seconds (see
+    :mod:`autoshard.fail_together`): the rank that failed raises its error, the others a
+    ``RuntimeError`` naming it.
     """
-    path = Path(path)
+    with fail_together("autoshard.save") as link:
+        _save(Path(path), model, optimizer, extra, link.group)
+
+
+def _save(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, extra: dict[str, Any] | None,
+          group: dist.ProcessGroup | None) -> None:
     tmp, old = _siblings(path)
     rank, world = _rank_world()
     packed = None if extra is None else _pack(extra)  # before anything changes
     state = _state_dict(model, optimizer)
     if packed is not None:
         state[_EXTRA] = packed
-    if path.exists() and not (path / _MANIFEST).exists():  # checked on every rank: all raise
-        raise ValueError(f"{path} exists and is not an autoshard checkpoint; not replacing it")
+    empty_dir = path.is_dir() and not any(path.iterdir())
+    if path.exists() and not empty_dir and not (path / _MANIFEST).exists():  # checked on every rank: all raise
+        raise ValueError(f"autoshard.save: {path} exists and is not an autoshard checkpoint; not replacing it "
+                         "(an empty directory is fine): pass a new path or remove it.")
     if rank == 0:
         if old.exists() and not path.exists():  # an earlier save crashed between its renames
             os.replace(old, path)
         shutil.rmtree(old, ignore_errors=True)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-    _barrier()
+    _barrier(group)
     with _single_process_ok():
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), no_dist=not _distributed())
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), no_dist=not _distributed(), process_group=group)
     names = sorted(p.name for p in tmp.iterdir())  # dcp.save returns once every file is written
-    sums = _on_all_ranks([(n, _checksum(tmp / n)) for n in names[rank::world]])
+    sums = _on_all_ranks([(n, _checksum(tmp / n)) for n in names[rank::world]], group)
     if rank == 0:
         with open(tmp / _MANIFEST, "w") as f:
             json.dump({"format": 1, "files": dict(sums)}, f)
             f.flush()
             os.fsync(f.fileno())
-    _barrier()
+    _barrier(group)
     if rank == 0:
         _swap(tmp, path, old)
-    _barrier()
+    _barrier(group)
 
 
 def _read_checked(path: Path) -> tuple[dict[str, list[int]], Metadata]:
@@ -289,7 +304,7 @@ def _compare(path: Path, expected: dict[str, Any], metadata: Metadata, prefixes:
         raise ValueError(f"checkpoint {path} does not match the model/optimizer: " + "; ".join(problems))
 
 
-def _verify_files(path: Path, files: dict[str, list[int]], metadata: Metadata) -> None:
+def _verify_files(path: Path, files: dict[str, list[int]], metadata: Metadata, group: dist.ProcessGroup | None) -> None:
     """Check every data file against the manifest (each rank a share); all ranks raise alike."""
     rank, world = _rank_world()
     where: dict[str, set[str]] = {}
@@ -299,7 +314,7 @@ def _verify_files(path: Path, files: dict[str, list[int]], metadata: Metadata) -
     outside = [n for n in names if Path(n).name != n or n in ("", ".", "..")]
     if outside:
         raise ValueError(f"checkpoint {path}: files outside the checkpoint directory: {outside}")
-    bad = _on_all_ranks([n for n in names[rank::world] if n not in files or _checksum(path / n) != files[n]])
+    bad = _on_all_ranks([n for n in names[rank::world] if n not in files or _checksum(path / n) != files[n]], group)
     if bad:
         keys = sorted(k for n in bad for k in where.get(n, ()))
         raise ValueError(f"checkpoint {path}: files {bad} are missing, truncated or corrupted "
@@ -317,8 +332,13 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     are restored from the checkpoint, as with ``Optimizer.load_state_dict``. Parameters are
     updated in place (a compiled model and the optimizer keep working); reading goes through
     temporaries, so a rank briefly holds a second copy of its shards and optimizer state.
+    A failure on one rank fails every rank within seconds, as with :func:`save`.
     """
-    path = Path(path)
+    with fail_together("autoshard.load") as link:
+        return _load(Path(path), model, optimizer, link.group)
+
+
+def _load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, group: dist.ProcessGroup | None) -> dict[str, Any]:
     old = _siblings(path)[1]
     if not (path / _MANIFEST).exists() and old.exists():
         path = old  # a save crashed after moving the previous checkpoint aside
@@ -334,13 +354,14 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
         files, metadata = _read_checked(path)
         expected = _state_dict(model, optimizer)
         _compare(path, expected, metadata, ("model.", "optim.") if optimizer is not None else ("model.",))
-        _verify_files(path, files, metadata)
+        _verify_files(path, files, metadata, group)
         loaded = {k: torch.empty_like(v) if isinstance(v, torch.Tensor) else v for k, v in expected.items()}
         if isinstance(metadata.state_dict_metadata.get(_EXTRA), BytesStorageMetadata):
             loaded[_EXTRA] = b""
         try:
             with _single_process_ok():
-                dcp.load(loaded, storage_reader=_Reader(path, metadata), planner=_Planner(), no_dist=not _distributed())
+                dcp.load(loaded, storage_reader=_Reader(path, metadata), planner=_Planner(), no_dist=not _distributed(),
+                         process_group=group)
         except dcp.CheckpointException as e:  # a BaseException: make it an ordinary error
             raise RuntimeError(f"reading checkpoint {path} failed: {e}") from None
     except BaseException:
@@ -351,10 +372,11 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
         for p, g in grads.items():
             p.grad = g
     extra = torch.load(io.BytesIO(loaded[_EXTRA]), weights_only=True) if _EXTRA in loaded else {}
-    set_model_state_dict(model, {k[len("model."):]: v for k, v in loaded.items() if k.startswith("model.")})
-    if optimizer is not None:
-        optim = {k[len("optim."):]: v for k, v in loaded.items() if k.startswith("optim.")}
-        set_optimizer_state_dict(model, optimizer, optim, options=_FLAT)
+    with parameters_as_shards():
+        set_model_state_dict(model, {k[len("model."):]: v for k, v in loaded.items() if k.startswith("model.")})
+        if optimizer is not None:
+            optim = {k[len("optim."):]: v for k, v in loaded.items() if k.startswith("optim.")}
+            set_optimizer_state_dict(model, optimizer, optim, options=_FLAT)
     return extra
 
 
@@ -367,7 +389,9 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, t
     """
     keep = not rank0_only or _rank_world()[0] == 0
     out: dict[str, torch.Tensor] = {}
-    for key, value in get_model_state_dict(model).items():
+    with parameters_as_shards():
+        state = get_model_state_dict(model)
+    for key, value in state.items():
         full = value.full_tensor() if isinstance(value, DTensor) else value  # all ranks take part
         if keep:
             out[key] = full.detach().to("cpu", copy=True)

@@ -7,18 +7,62 @@ error raised on every rank.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
+import time
 from datetime import timedelta
+from typing import Callable, TypeVar
 
+import torch
 import torch.distributed as dist
 from torch import fx
 
 from ._compat import c10d, default_store, resolve_process_group
+from .fail_together import first_failure, multi_rank
 
 # Every rank numbers its exchanges alike: they follow the order in which graphs are compiled.
 _exchanges = itertools.count()
 EXCHANGE_TIMEOUT = timedelta(minutes=5)
+# Where a rank that failed compiling says so: its peers stop waiting for its plan at once.
+_COMPILE_FAILED = "autoshard/compile_failed"
+F = TypeVar("F", bound=Callable)
+
+
+def fails_together(compile_step: F) -> F:
+    """Decorate a compile step that runs before the plan exchange: if it raises on one rank,
+    record the error, so ranks waiting for that rank's plan raise now, not after
+    ``EXCHANGE_TIMEOUT``."""
+
+    @functools.wraps(compile_step)
+    def step(*args, **kwargs):
+        try:
+            return compile_step(*args, **kwargs)
+        except BaseException as error:
+            if multi_rank() and not default_store().check([f"{_COMPILE_FAILED}/first"]):
+                first_failure(_COMPILE_FAILED, dist.get_rank(), error)
+            raise
+
+    return step  # type: ignore[return-value]
+
+
+def _wait_for_plans(keys: list[str], what: str) -> None:
+    """Wait until every rank published its plan, a rank failed compiling, or the timeout."""
+    store = default_store()
+    deadline, pause = time.monotonic() + EXCHANGE_TIMEOUT.total_seconds(), 0.01
+    while not store.check(keys):
+        if store.check([f"{_COMPILE_FAILED}/first"]):
+            failed, message = store.get(f"{_COMPILE_FAILED}/first").decode().split("\n", 1)
+            raise RuntimeError(f"autoshard: rank {failed} failed compiling ({message}); rank {dist.get_rank()} stops "
+                               f"too instead of waiting for its {what} plan.")
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"autoshard: not every rank compiled a {what} graph within {EXCHANGE_TIMEOUT}; ranks are compiling "
+                "different graphs (a graph break or recompilation on some ranks only?). Make every rank run the same "
+                "model code with the same shapes and options."
+            )
+        time.sleep(pause)
+        pause = min(2 * pause, 0.5)
 
 _COLLECTIVES = {
     c10d.all_gather_into_tensor.default,
@@ -64,21 +108,14 @@ def check_ranks_agree(gm: fx.GraphModule, what: str) -> None:
     The exchange goes through the process group's key-value store, not a collective: it runs
     inside the compiler, and a store lookup cannot interleave with the graph's collectives.
     """
-    if not dist.is_initialized() or dist.get_world_size() == 1 or dist.get_backend() == "fake":
+    if not multi_rank():
         return
     rank, world = dist.get_rank(), dist.get_world_size()
     key = f"autoshard/plan/{next(_exchanges)}"
     store = default_store()
     store.set(f"{key}/{rank}", plan_signature(gm))
     keys = [f"{key}/{r}" for r in range(world)]
-    try:
-        store.wait(keys, EXCHANGE_TIMEOUT)
-    except RuntimeError as e:
-        raise RuntimeError(
-            f"autoshard: not every rank compiled a {what} graph within {EXCHANGE_TIMEOUT}; ranks are compiling "
-            "different graphs (a graph break or recompilation on some ranks only?). Make every rank run the same "
-            "model code with the same shapes and options."
-        ) from e
+    _wait_for_plans(keys, what)
     signatures = [store.get(k).decode() for k in keys]
     if len(set(signatures)) > 1:
         groups: dict[str, list[int]] = {}
@@ -90,3 +127,37 @@ def check_ranks_agree(gm: fx.GraphModule, what: str) -> None:
             "Running it would hang. Make every rank run the same model code with the same shapes and options "
             "(per-rank branches or per-rank input shapes split the plan)."
         )
+
+
+def _digest(items: list) -> int:
+    return int.from_bytes(hashlib.sha256(repr(items).encode()).digest()[:8], "little", signed=True)
+
+
+def _first_difference(mine: list, theirs: list) -> int:
+    return next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs)))
+
+
+def check_same_on_all_ranks(what: str, items: list, device: str) -> None:
+    """Raise the same ``ValueError`` on every rank unless all ranks pass equal ``items``.
+
+    One all-gather of a hash (on ``device``, the default group's); only when hashes differ are
+    the lists themselves exchanged, so that every rank can name the first difference between
+    rank 0 and the first rank that differs from it.
+    """
+    if not multi_rank():
+        return
+    world = dist.get_world_size()
+    digests = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
+    dist.all_gather(digests, torch.tensor([_digest(items)], dtype=torch.int64, device=device))
+    if len({int(d) for d in digests}) == 1:
+        return
+    every: list[list] = [[] for _ in range(world)]
+    dist.all_gather_object(every, items)
+    other = next(r for r in range(1, world) if every[r] != every[0])
+    i = _first_difference(every[0], every[other])
+    has = lambda r: repr(every[r][i]) if i < len(every[r]) else "nothing more"  # noqa: E731
+    raise ValueError(
+        f"{what}: ranks disagree on what to shard; first difference, at entry {i}: rank 0 has {has(0)}, "
+        f"rank {other} has {has(other)}. Every rank must build the same model (same config, same code path) "
+        "and call it with the same arguments."
+    )

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import faulthandler
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -15,6 +16,7 @@ from typing import Any, Callable, NoReturn
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from multiprocessing.connection import wait
 
 
 def exit_without_finalization(code: int = 0) -> NoReturn:
@@ -33,7 +35,11 @@ def exit_without_finalization(code: int = 0) -> NoReturn:
 
 
 def _rank_main(rank: int, world_size: int, init_file: str, out_dir: str, fn: Callable, args: tuple) -> None:
-    faulthandler.enable()  # a rank that crashes (SIGSEGV) prints where
+    # Tracebacks (and, on a crash or when the caller asks for a hang's stacks, every thread's
+    # stack) go to this rank's file: the caller shows the failing rank's first.
+    err = open(os.path.join(out_dir, f"rank{rank}.err"), "w")
+    faulthandler.enable(file=err)
+    faulthandler.register(signal.SIGUSR1, file=err, all_threads=True)
     code = 1
     try:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
@@ -45,17 +51,38 @@ def _rank_main(rank: int, world_size: int, init_file: str, out_dir: str, fn: Cal
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
         code = 0
     except BaseException:
-        traceback.print_exc()
+        traceback.print_exc(file=err)
     finally:
+        err.flush()
         exit_without_finalization(code)
+
+
+def _written_at(out_dir: str, rank: int) -> float:
+    try:
+        return os.stat(os.path.join(out_dir, f"rank{rank}.err")).st_mtime
+    except FileNotFoundError:
+        return float("inf")
+
+
+def _report(out_dir: str, ranks: list[int], why: dict[int, str]) -> str:
+    parts = []
+    for r in ranks:
+        try:
+            with open(os.path.join(out_dir, f"rank{r}.err")) as f:
+                text = f.read().strip() or "(nothing printed)"
+        except FileNotFoundError:
+            text = "(had not started)"
+        parts.append(f"--- rank {r} ({why[r]}) ---\n{text}")
+    return "\n".join(parts)
 
 
 def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float | None = 600) -> list[Any]:
     """Call ``fn(*args)`` on ``world_size`` gloo ranks in spawned processes; return their results,
     by rank. ``fn`` and its arguments must be picklable (a module-level function).
 
-    A rank that raises, dies or outlives ``timeout`` seconds (None: no limit) fails the caller:
-    a hang is a failure.
+    A rank that raises or dies fails the caller at once: the other ranks are killed and the
+    error shows the failing rank's traceback first. Ranks still running after ``timeout``
+    seconds (None: no limit) fail it too, with every thread's stack: a hang is a failure.
     """
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp:
@@ -64,14 +91,33 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float | None =
         for p in procs:
             p.start()
         deadline = None if timeout is None else time.monotonic() + timeout
+        def failures() -> list[int]:
+            return [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+
+        while not failures() and any(p.is_alive() for p in procs):
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                break
+            wait([p.sentinel for p in procs if p.is_alive()], left)
+        failed = failures()
+        alive = [r for r, p in enumerate(procs) if p.is_alive()]
+        if alive and not failed:  # a hang: ask for every thread's stack before killing
+            for r in alive:
+                os.kill(procs[r].pid, signal.SIGUSR1)
+            time.sleep(1.0)
+        for r in alive:
+            procs[r].kill()
         for p in procs:
-            p.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
-        alive = [p for p in procs if p.is_alive()]
-        for p in alive:
-            p.kill()
+            p.join()
+        if failed:
+            # First in time first: a peer that fails because of it writes its error later.
+            failed.sort(key=lambda r: _written_at(tmp, r))
+            why = {r: f"exit code {procs[r].exitcode}" for r in failed} | {r: "killed" for r in alive}
+            raise RuntimeError(
+                f"rank {failed[0]} of {world_size} failed (exit code {procs[failed[0]].exitcode}); "
+                f"{len(alive)} other ranks were then killed:\n" + _report(tmp, failed + alive, why)
+            )
         if alive:
-            raise TimeoutError(f"{len(alive)} of {world_size} ranks still running after {timeout}s (a hang?)")
-        codes = [p.exitcode for p in procs]
-        if any(codes):
-            raise RuntimeError(f"ranks exited with codes {codes}; see their stderr above")
+            why = {r: "still running: its stacks" for r in alive}
+            raise TimeoutError(f"{len(alive)} of {world_size} ranks still running after {timeout}s (a hang?):\n" + _report(tmp, alive, why))
         return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]

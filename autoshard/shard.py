@@ -19,15 +19,18 @@ in ``module._parameters``.
 from __future__ import annotations
 
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from . import grad_sync, ops
+from .consistency import check_same_on_all_ranks
 from .mixed_precision import MixedPrecision, cast_inputs_hook, dtypes_for
 
 _SHARDED = "_autoshard_root"  # set on every module passed to shard()
@@ -72,8 +75,15 @@ class ShardedModule:
         grad_sync.set_requires_gradient_sync(self.modules() if recurse else [self], requires_gradient_sync)
 
 
+# Inside parameters_as_shards(): a global, not a module attribute, so that entering and leaving
+# changes nothing Dynamo guards on in a compiled model.
+_as_shards = 0
+
+
 def _annotate(module: nn.Module, name: str) -> torch.Tensor:
     param = module._parameters[name]
+    if _as_shards:
+        return param
     spec = module._autoshard_specs[name]
     local = param.to_local()
     # A Python constant that Dynamo guards on: one compiled variant per setting.
@@ -104,6 +114,19 @@ def _sharded_class(cls: type, names: tuple[str, ...]) -> type:
     return _subclasses[key]
 
 
+@contextmanager
+def parameters_as_shards() -> Iterator[None]:
+    """Inside, reading a sharded parameter (``module.weight``, of any sharded module) gives
+    the DTensor parameter itself, not the gathered copy a forward uses: for code that reads or
+    writes shards (init, state dicts). Nothing is communicated."""
+    global _as_shards
+    _as_shards += 1
+    try:
+        yield
+    finally:
+        _as_shards -= 1
+
+
 def _reclass(module: nn.Module) -> None:
     """Move ``module`` to the sharded subclass for the parameters it annotates (none: only
     :class:`ShardedModule`'s methods)."""
@@ -111,8 +134,45 @@ def _reclass(module: nn.Module) -> None:
 
 
 def _default_mesh(module: nn.Module) -> DeviceMesh:
-    device = next(iter(module.parameters()), torch.empty(0)).device
-    return init_device_mesh(device.type, (dist.get_world_size(),))
+    device = next(iter(module.parameters()), torch.empty(0)).device.type
+    if device == "meta":  # built for later materialization: where it will live, as FSDP2 assumes
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return init_device_mesh(device, (dist.get_world_size(),))
+
+
+def local_chunk(full: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...] | list[Placement]) -> torch.Tensor:
+    """This rank's rows of ``full`` under ``placements`` (a view): DTensor's ``Shard(0)``
+    layout, torch.chunk's sizes, empty past the end; all of it when nothing is sharded."""
+    for dim, placement in enumerate(placements):
+        if isinstance(placement, Shard):
+            rows = -(-full.shape[0] // mesh.size(dim))  # ceil
+            start = min(mesh.get_local_rank(dim) * rows, full.shape[0])
+            return full[start : start + rows]
+    return full
+
+
+def _to_dtensor(param: nn.Parameter, mesh: DeviceMesh, placements: list[Placement]) -> DTensor:
+    """``param`` laid out on ``mesh``, cut locally: every rank holds the same values (the same
+    seed, as FSDP2 assumes, or the meta device), so nothing is sent."""
+    full = param.detach()
+    local = local_chunk(full, mesh, placements)
+    if local.numel() != full.numel():
+        local = local.clone()  # own storage: the full parameter is freed once replaced
+    stride = torch.empty(full.shape, device="meta").stride()
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=full.shape, stride=stride)
+
+
+def _describe(owners: list[tuple[nn.Module, dict[str, ParamSpec]]], new: dict[int, nn.Parameter], strategy: str, mesh: DeviceMesh,
+              mixed_precision: MixedPrecision | None) -> list[tuple]:
+    """What must be equal on every rank: the call's settings, then every parameter's name,
+    global shape, dtype, trainability and layout."""
+    items: list[tuple] = [("shard", strategy, tuple(mesh.shape), repr(mixed_precision))]
+    for mod, specs in owners:
+        for name, spec in specs.items():
+            param = mod._parameters[name]
+            items.append((spec.name, tuple(param.shape), str(param.dtype), param.requires_grad, spec.dim0, spec.reshard,
+                          id(param) in new))
+    return items
 
 
 def _check(
@@ -226,7 +286,7 @@ def shard(
         reshard_after_forward = strategy in ("full", "hybrid")
 
     # Build every new parameter first, then install them all: nothing is half-applied.
-    sharded: dict[int, nn.Parameter] = {}
+    layouts: dict[int, tuple[nn.Parameter, list[Placement]]] = {}
     owners: list[tuple[nn.Module, dict[str, ParamSpec]]] = []
     for prefix, mod in module.named_modules():
         specs = {}
@@ -250,9 +310,7 @@ def shard(
                 specs[name] = replace(getattr(param, _SPEC), name=fqn)
                 continue
             splits = param.dim() > 0 and strategy != "replicate"
-            if id(param) not in sharded:
-                local = distribute_tensor(param.detach(), mesh, split if splits else replicated)
-                sharded[id(param)] = nn.Parameter(local, requires_grad=param.requires_grad)
+            layouts[id(param)] = (param, split if splits else replicated)
             param_dtype, reduce_dtype = dtypes_for(param, mixed_precision)
             dim0 = param.shape[0] if splits else -1
             specs[name] = ParamSpec(
@@ -260,6 +318,10 @@ def shard(
             )
         if specs:
             owners.append((mod, specs))
+    # Ranks that built different models would otherwise hang or train apart: fail alike first.
+    check_same_on_all_ranks("autoshard.shard", _describe(owners, layouts, strategy, mesh, mixed_precision), mesh.device_type)
+    sharded = {key: nn.Parameter(_to_dtensor(param, mesh, placements), requires_grad=param.requires_grad)
+               for key, (param, placements) in layouts.items()}
 
     for mod, specs in owners:
         for name, spec in specs.items():

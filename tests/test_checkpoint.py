@@ -272,6 +272,11 @@ def test_crash_mid_save_keeps_previous_checkpoint(tmp_path, monkeypatch) -> None
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
     with pytest.raises(ValueError, match="is not an autoshard checkpoint; not replacing it"):
         save(tmp_path, model)  # never replaces a directory that is not a checkpoint
+    (tmp_path / "made_first").mkdir()  # users often mkdir first: an empty directory is fine
+    save(tmp_path / "made_first", model)
+    fresh = build("gpt", seed=1)
+    load(tmp_path / "made_first", fresh)
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values(), strict=True))
 
 
 class _Exploit:
