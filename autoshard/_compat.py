@@ -26,6 +26,14 @@ from torch.distributed.distributed_c10d import _resolve_process_group as resolve
 from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.checkpoint import CheckpointPolicy
 
+try:
+    from torch.fx.experimental.symbolic_shapes import optimization_hint
+except ImportError:
+    # torch 2.11 has no optimization_hint (added by 2.13, where size_hint is gone). Its
+    # size_hint(a, fallback) is the same read: the SymInt's recorded hint, or ``fallback`` per
+    # unbacked symbol, without adding guards.
+    from torch.fx.experimental.symbolic_shapes import size_hint as optimization_hint
+
 __all__ = [
     "MemoryTracker",
     "RUNTIME_ESTIMATION",
@@ -43,6 +51,7 @@ __all__ = [
     "make_boxed_func",
     "min_cut_rematerialization_partition",
     "must_recompute",
+    "optimization_hint",
     "must_save",
     "recompute_region",
     "register_backend",
