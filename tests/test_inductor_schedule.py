@@ -3,7 +3,6 @@ backward graphs at world size 8 (fake process group, one process)."""
 from __future__ import annotations
 
 import copy
-import importlib
 
 import pytest
 import torch
@@ -11,7 +10,7 @@ from torch import fx
 from torch.utils.flop_counter import flop_registry
 
 import autoshard
-from autoshard._compat import RUNTIME_ESTIMATION, c10d
+from autoshard._compat import c10d, overlap_scheduler_state
 from autoshard.cost_model import estimators
 from autoshard.passes.inductor_schedule import inductor_schedule
 from fake_pg import captured_graphs, count, fake_world
@@ -19,8 +18,6 @@ from gpt import GPT, GPTConfig
 from models import batch
 
 WORLD = 8
-# The module itself (autoshard.passes re-exports the function under the same name).
-mod = importlib.import_module("autoshard.passes.inductor_schedule")
 GATHERS = (c10d.all_gather_into_tensor.default, c10d.all_gather_into_tensor_out.default)
 
 
@@ -154,8 +151,7 @@ def test_transformed_forward_runs_on_the_fake_process_group(scheduled):
 
 
 def test_injected_estimators_steer_the_schedule_and_global_state_is_restored(captured):
-    runtime_estimation = importlib.import_module(RUNTIME_ESTIMATION)
-    saved = (runtime_estimation.get_gpu_dram_gbps, mod.overlap_scheduling.MemoryTracker)
+    saved = overlap_scheduler_state()
     fw, seen_compute, seen_collectives = captured["forward"], [], []
     before = _gather_issue_points(fw)
 
@@ -175,8 +171,7 @@ def test_injected_estimators_steer_the_schedule_and_global_state_is_restored(cap
     after = _gather_issue_points(slow)
     assert _hidden_gathers(slow) > 0
     assert max(before[shard] - after[shard] for shard in before) >= 4
-    assert (runtime_estimation.get_gpu_dram_gbps, mod.overlap_scheduling.MemoryTracker) == saved
-    assert mod.inductor_config.aten_distributed_optimizations.overlap_scheduling_autofix_cycles is False
+    assert overlap_scheduler_state() == saved
 
 
 def test_graph_without_collectives_is_untouched():
