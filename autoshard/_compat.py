@@ -41,7 +41,7 @@ except ImportError:
     from torch.fx.experimental.symbolic_shapes import size_hint as optimization_hint
 
 __all__ = [
-    "overlap_scheduler_on_cpu",
+    "patch_overlap_scheduler",
     "overlap_scheduler_state",
     "schedule_overlap_bucketing",
     "default_store",
@@ -185,6 +185,17 @@ _HAS_COMPUTE_ESTIMATOR = "compute_estimator" in inspect.signature(overlap_schedu
 _AUTOFIX_CYCLES = "overlap_scheduling_autofix_cycles"
 _HAS_AUTOFIX_CYCLES = hasattr(inductor_config.aten_distributed_optimizations, _AUTOFIX_CYCLES)
 
+# torch 2.11's bucketer groups collectives by bucketing.bucket_key alone, which is
+# (group, reduce op, dtype) for reduce-scatters and all-reduces alike, so a 0-d parameter's
+# all-reduce could join a reduce-scatter bucket (an AssertionError in merge_reduce_scatter_bucket).
+# torch 2.13 groups by (collective type, bucket_key) and no longer imports bucket_key there.
+_UNTYPED_BUCKET_KEY = getattr(overlap_bucketer, "bucket_key", None)
+
+
+def _typed_bucket_key(node: torch.fx.Node, mode: Any = None) -> object | None:
+    key = _UNTYPED_BUCKET_KEY(node, mode)
+    return None if key is None else (node.target, key)
+
 
 def _uncached_estimate(node: torch.fx.Node, custom_runtime_estimation: Any = None) -> tuple[float, None]:
     # torch 2.11's benchmark_node_with_cache_key as torch 2.13's compute_estimator="analytical"
@@ -270,24 +281,27 @@ def _patched_attributes() -> list[tuple[Any, str]]:
         points += [(overlap_scheduling, "benchmark_node_with_cache_key"), (overlap_scheduling, "estimate_runtime_analytical")]
     if not _HAS_AUTOFIX_CYCLES:
         points.append((overlap_bucketer.OverlapPreservingBucketer, "_apply_deps_and_effect_tokens"))
+    if _UNTYPED_BUCKET_KEY is not None:
+        points.append((overlap_bucketer, "bucket_key"))
     return points
 
 
 def overlap_scheduler_state() -> tuple[Any, ...]:
-    """Every value :func:`overlap_scheduler_on_cpu` patches, to check they are restored."""
+    """Every value :func:`patch_overlap_scheduler` patches, to check they are restored."""
     autofix = getattr(inductor_config.aten_distributed_optimizations, _AUTOFIX_CYCLES, None)
     return (*(getattr(obj, name) for obj, name in _patched_attributes()), autofix)
 
 
 @contextlib.contextmanager
-def overlap_scheduler_on_cpu(dram_gbps: float, tflops: float) -> Iterator[None]:
-    """Patch what makes ``schedule_overlap_bucketing`` CUDA-only, for the duration of one call:
-    its roofline reads ``dram_gbps`` and ``tflops`` instead of asking Triton; its memory
-    tracker counts CPU tensors (it skips them, so the memory budget would see 0 bytes); compute
-    estimates come from the custom estimate, uncached, on every torch version; an ordering-only
-    edge the bucketer leaves that closes a cycle is dropped (seen on our backward graphs; torch
-    2.13+ asks for a report and offers a switch that does this; on 2.11 we do it). Data
-    dependencies are never dropped, so the graph stays valid."""
+def patch_overlap_scheduler(dram_gbps: float, tflops: float) -> Iterator[None]:
+    """Patch what makes ``schedule_overlap_bucketing`` CUDA-only or wrong on our graphs, for
+    the duration of one call: its roofline reads ``dram_gbps`` and ``tflops`` instead of asking
+    Triton; its memory tracker counts CPU tensors (it skips them, so the memory budget would see
+    0 bytes); compute estimates come from the custom estimate, uncached, on every torch version;
+    an ordering-only edge the bucketer leaves that closes a cycle is dropped (seen on our
+    backward graphs; torch 2.13+ asks for a report and offers a switch that does this; on 2.11
+    we do it; data dependencies are never dropped, so the graph stays valid); a bucket holds one
+    kind of collective (torch 2.11 could mix all-reduces into reduce-scatter buckets)."""
     with contextlib.ExitStack() as stack:
         stack.enter_context(mock.patch.object(runtime_estimation, _DRAM_GBPS, lambda *args, **kwargs: dram_gbps))
         stack.enter_context(mock.patch.object(runtime_estimation, "get_device_tflops", lambda *args, **kwargs: tflops))
@@ -302,6 +316,8 @@ def overlap_scheduler_on_cpu(dram_gbps: float, tflops: float) -> Iterator[None]:
             bucketer = overlap_bucketer.OverlapPreservingBucketer
             apply = _apply_deps_without_cycles(bucketer._apply_deps_and_effect_tokens)
             stack.enter_context(mock.patch.object(bucketer, "_apply_deps_and_effect_tokens", apply))
+        if _UNTYPED_BUCKET_KEY is not None:
+            stack.enter_context(mock.patch.object(overlap_bucketer, "bucket_key", _typed_bucket_key))
         yield
 
 
@@ -310,7 +326,7 @@ def schedule_overlap_bucketing(gm: torch.fx.GraphModule, **kwargs: Any) -> torch
     keyword arguments torch 2.13 takes, on every supported torch."""
     params = inspect.signature(overlap_scheduling.schedule_overlap_bucketing).parameters
     if "compute_estimator" not in params:
-        # torch 2.11: "analytical" is what overlap_scheduler_on_cpu makes of its benchmarking.
+        # torch 2.11: "analytical" is what patch_overlap_scheduler makes of its benchmarking.
         if kwargs.pop("compute_estimator", "analytical") != "analytical":
             raise ValueError("torch 2.11's overlap scheduler has no compute_estimator: it always benchmarks")
     if "pre_bucketing_fsdp_collectives" not in params:

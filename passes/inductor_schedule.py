@@ -4,7 +4,7 @@
 CUDA: its roofline estimate asks Triton for the GPU's DRAM bandwidth and peak FLOPs, its
 memory tracker skips CPU tensors, and its default compute estimator benchmarks on the GPU.
 :func:`inductor_schedule` swaps exactly those pieces for the duration of one call
-(``autoshard._compat.overlap_scheduler_on_cpu``, which knows how each torch version names them) and
+(``autoshard._compat.patch_overlap_scheduler``, which knows how each torch version names them) and
 otherwise runs PyTorch's code unchanged, so benchmarks can compare against it.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 from torch import fx
 
-from autoshard._compat import c10d, overlap_scheduler_on_cpu, schedule_overlap_bucketing
+from autoshard._compat import c10d, patch_overlap_scheduler, schedule_overlap_bucketing
 
 
 # PyTorch evaluates its roofline for every compute node even when our estimate replaces it;
@@ -70,8 +70,8 @@ def inductor_schedule(
     )
     kwargs.update(options)
     # What makes PyTorch's scheduler CUDA-only is patched for the duration of the call (see
-    # overlap_scheduler_on_cpu); its caches keyed on our nodes are cleared after it.
-    with overlap_scheduler_on_cpu(CPU_DRAM_GBPS, CPU_TFLOPS):
+    # patch_overlap_scheduler); its caches keyed on our nodes are cleared after it.
+    with patch_overlap_scheduler(CPU_DRAM_GBPS, CPU_TFLOPS):
         schedule_overlap_bucketing(gm, **kwargs)
     gm.graph.lint()
     gm.recompile()

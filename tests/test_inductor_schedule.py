@@ -15,7 +15,7 @@ from autoshard.cost_model import estimators
 from autoshard.passes.inductor_schedule import inductor_schedule
 from fake_pg import captured_graphs, count, fake_world
 from gpt import GPT, GPTConfig
-from models import batch
+from models import batch, build
 
 WORLD = 8
 GATHERS = (c10d.all_gather_into_tensor.default, c10d.all_gather_into_tensor_out.default)
@@ -178,3 +178,22 @@ def test_graph_without_collectives_is_untouched():
     gm = fx.symbolic_trace(lambda x: torch.relu(x) + 1)
     code = gm.code
     assert inductor_schedule(gm, *estimators("cpu")).code == code
+
+
+def test_buckets_hold_one_kind_of_collective(captured):
+    """A 0-d parameter's gradient is all-reduced in the same group, with the same op and dtype
+    as the reduce-scattered ones: it must not join their bucket (the backend's estimates, which
+    price copies at 0, make the bucketer try)."""
+    backward = {}
+    for schedule in ("none", "inductor"):
+        torch._dynamo.reset()
+        with captured_graphs() as graphs:  # in the module's fake world (held by ``captured``)
+            model = autoshard.shard(build("uneven"))
+            compiled = torch.compile(model, backend="autoshard", options={"compiler": "aot_eager", "schedule": schedule})
+            x, y = batch("uneven", 0)
+            compiled(x, y).backward()
+            (backward[schedule],) = graphs["backward"]
+    torch._dynamo.reset()
+    before, after = backward["none"], backward["inductor"]
+    assert count(before, "all_reduce") == count(after, "all_reduce") == 1
+    assert count(after, "reduce_scatter_tensor") < count(before, "reduce_scatter_tensor")  # the others were bucketed
