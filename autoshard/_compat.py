@@ -29,7 +29,7 @@ from torch._inductor.utils import run_and_get_code
 from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 from torch.distributed.distributed_c10d import _get_default_store as default_store
 from torch.distributed.distributed_c10d import _resolve_process_group as resolve_process_group
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._pytree import tree_leaves, tree_map, tree_map_only
 from torch.utils.checkpoint import CheckpointPolicy
 
 try:
@@ -48,6 +48,7 @@ __all__ = [
     "resolve_process_group",
     "run_and_get_code",
     "aot_autograd",
+    "all_gather_single",
     "c10d",
     "dynamo_counters",
     "compile_fx",
@@ -62,16 +63,19 @@ __all__ = [
     "recompute_region",
     "register_backend",
     "save_random_ops_in_checkpoints",
-    "TESTED_TORCH",
     "to_local_source",
     "tree_leaves",
     "tree_map",
+    "tree_map_only",
 ]
-
-TESTED_TORCH = "2.13"
 
 # The traceable functional collectives (explicit wait_tensor) that Inductor lowers.
 c10d = torch.ops._c10d_functional
+
+# The blocking all-gather into one tensor. torch 2.13 renamed dist.all_gather_into_tensor to
+# all_gather_single (the old name stays, documented as deprecated, and calls the new one);
+# torch 2.11 has only the old name.
+all_gather_single = getattr(torch.distributed, "all_gather_single", None) or torch.distributed.all_gather_into_tensor
 
 def register_backend(fn, name: str) -> None:
     """Make ``torch.compile(backend=name)`` find ``fn``.
@@ -152,7 +156,8 @@ def fake_process_group(rank: int, world_size: int) -> None:
 
 
 # What a DCP checkpoint's .metadata pickle may reference (module -> names): DCP's metadata
-# classes and the torch types inside them, private names included, as torch 2.13 writes them.
+# classes and the torch types inside them, private names included, as torch 2.11 to 2.15 write
+# them (the same set: tests/test_checkpoint.py loads through this list on each).
 DCP_METADATA_CLASSES = {
     "torch.distributed.checkpoint.metadata": {
         "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
