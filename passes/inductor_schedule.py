@@ -3,9 +3,10 @@
 ``torch._inductor.fx_passes.overlap_scheduling.schedule_overlap_bucketing`` is written for
 CUDA: its roofline estimate asks Triton for the GPU's DRAM bandwidth and peak FLOPs, its
 memory tracker skips CPU tensors, and its default compute estimator benchmarks on the GPU.
-:func:`inductor_schedule` swaps exactly those pieces for the duration of one call
-(``autoshard._compat.patch_overlap_scheduler``, which knows how each torch version names them) and
-otherwise runs PyTorch's code unchanged, so benchmarks can compare against it.
+:func:`inductor_schedule` swaps exactly those pieces (and works around older releases' bugs)
+for the duration of one call, through ``autoshard._compat.patch_overlap_scheduler``, which knows
+how each torch version names them, and otherwise runs PyTorch's code unchanged, so benchmarks
+can compare against it.
 """
 from __future__ import annotations
 
@@ -69,8 +70,8 @@ def inductor_schedule(
         pre_bucketing_fsdp_collectives=False,
     )
     kwargs.update(options)
-    # What makes PyTorch's scheduler CUDA-only is patched for the duration of the call (see
-    # patch_overlap_scheduler); its caches keyed on our nodes are cleared after it.
+    # What makes PyTorch's scheduler CUDA-only or wrong on our graphs is patched for the duration
+    # of the call (see patch_overlap_scheduler); its caches keyed on our nodes are cleared after it.
     with patch_overlap_scheduler(CPU_DRAM_GBPS, CPU_TFLOPS):
         schedule_overlap_bucketing(gm, **kwargs)
     gm.graph.lint()
