@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from tabulate import tabulate
 
-from ._compat import c10d
+from ._compat import all_gather_single, c10d
 from .cost_model import COLLECTIVE_KINDS, DeviceProfile, Link, collective_time
 from .launch import run_ranks
 
@@ -163,12 +163,12 @@ def _comm_overlap(repeats: int) -> float:
             torch.mm(a, a)
 
     def both() -> None:
-        work = _all_gather(full, shard, async_op=True)
+        work = all_gather_single(full, shard, async_op=True)
         matmuls()
         work.wait()
 
     t_mm = statistics.median(_timed(matmuls, repeats))
-    t_comm = statistics.median(_timed(lambda: _all_gather(full, shard), repeats))
+    t_comm = statistics.median(_timed(lambda: all_gather_single(full, shard), repeats))
     t_both = statistics.median(_timed(both, repeats))
     return min(1.0, max(0.0, (t_mm + t_comm - t_both) / min(t_mm, t_comm)))
 
@@ -176,10 +176,6 @@ def _comm_overlap(repeats: int) -> float:
 def _numel(nbytes: int, world_size: int) -> int:
     """float32 elements of a full buffer of about ``nbytes``, divisible by the world size."""
     return max(1, nbytes // 4 // world_size) * world_size
-
-
-# torch 2.13 renamed all_gather_into_tensor (same op) and warns on the old name.
-_all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 
 
 def _collective_times(sizes: Sequence[int], repeats: int) -> dict[tuple[str, int], list[float]]:

@@ -14,10 +14,9 @@ from typing import Any, Callable, NamedTuple, Sequence
 import torch
 import torch.distributed as dist
 from torch import fx
-from torch.fx.experimental.symbolic_shapes import optimization_hint
 from torch.utils.flop_counter import flop_registry
 
-from ._compat import c10d, resolve_process_group
+from ._compat import c10d, optimization_hint, resolve_process_group
 
 aten = torch.ops.aten
 

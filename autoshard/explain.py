@@ -104,7 +104,7 @@ def _explain(
     elif not callable(model_or_factory):
         raise TypeError(f"expected an nn.Module or a callable returning one, got {type(model_or_factory).__name__}.")
 
-    torch._dynamo.reset()  # graphs cached for another world would be reused otherwise
+    torch.compiler.reset()  # graphs cached for another world would be reused otherwise
     fake_process_group(0, world_size)
     try:
         mesh = init_device_mesh("cpu", (world_size,))  # outside fake mode: building a mesh reads real tensors
@@ -129,7 +129,7 @@ def _explain(
                 for i, stages in enumerate(graphs)]
     finally:
         dist.destroy_process_group()
-        torch._dynamo.reset()  # the compiled code refers to the fake group
+        torch.compiler.reset()  # the compiled code refers to the fake group
 
 
 # -- command line ------------------------------------------------------------------------------

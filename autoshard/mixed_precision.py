@@ -11,7 +11,8 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map_only
+
+from ._compat import tree_map_only
 
 
 @dataclass(frozen=True)

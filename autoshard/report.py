@@ -22,6 +22,7 @@ from torch import fx
 from autoshard.passes.bucket import block_of
 from autoshard.passes.graph_utils import PARAMS
 
+from ._compat import to_local_source
 from .analysis import Event, StepAnalysis, analyze
 from .cost_model import COLLECTIVE_KINDS, DeviceProfile, collective_of, get_profile
 
@@ -221,7 +222,8 @@ class Report:
             if node.op != "call_function" or name not in ("autoshard.unshard.default", "autoshard.replicate.default"):
                 continue
             local = node.args[0]
-            key = local.args[0] if isinstance(local, fx.Node) and local.target == "to_local" else local
+            source = to_local_source(local) if isinstance(local, fx.Node) else None
+            key = local if source is None else source
             value = local.meta.get("example_value", local.meta.get("val")) if isinstance(local, fx.Node) else None
             if value is None:
                 return None, None, 0

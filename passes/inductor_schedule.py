@@ -3,19 +3,18 @@
 ``torch._inductor.fx_passes.overlap_scheduling.schedule_overlap_bucketing`` is written for
 CUDA: its roofline estimate asks Triton for the GPU's DRAM bandwidth and peak FLOPs, its
 memory tracker skips CPU tensors, and its default compute estimator benchmarks on the GPU.
-:func:`inductor_schedule` swaps exactly those pieces for the duration of one call and
-otherwise runs PyTorch's code unchanged, so benchmarks can compare against it.
+:func:`inductor_schedule` swaps exactly those pieces (and works around older releases' bugs)
+for the duration of one call, through ``autoshard._compat.patch_overlap_scheduler``, which knows
+how each torch version names them, and otherwise runs PyTorch's code unchanged, so benchmarks
+can compare against it.
 """
 from __future__ import annotations
 
-import contextlib
-import functools
-from typing import Any, Callable, Iterator
-from unittest import mock
+from typing import Any, Callable
 
 from torch import fx
 
-from autoshard._compat import RUNTIME_ESTIMATION, MemoryTracker, c10d, inductor_config, overlap_scheduling
+from autoshard._compat import c10d, patch_overlap_scheduler, schedule_overlap_bucketing
 
 
 # PyTorch evaluates its roofline for every compute node even when our estimate replaces it;
@@ -26,26 +25,6 @@ CPU_TFLOPS = 0.1
 
 def _is_collective_start(node: fx.Node) -> bool:
     return getattr(node.target, "namespace", None) == "_c10d_functional" and node.target is not c10d.wait_tensor.default
-
-
-@contextlib.contextmanager
-def _cpu_estimators() -> Iterator[None]:
-    """Patch what makes PyTorch's scheduler CUDA-only, for the duration of one call."""
-    with contextlib.ExitStack() as stack:
-        # estimate_roofline_runtime_ms runs for every compute node even when a custom estimate
-        # replaces it; it would import triton for bandwidth and (without CUDA) get 0 FLOPs.
-        stack.enter_context(mock.patch(f"{RUNTIME_ESTIMATION}.get_gpu_dram_gbps", lambda: CPU_DRAM_GBPS))
-        stack.enter_context(mock.patch(f"{RUNTIME_ESTIMATION}.get_device_tflops", lambda dtype: CPU_TFLOPS))
-        # The memory budget (baseline peak + 5%) would see 0 bytes: CPU tensors are skipped.
-        cpu_too = functools.partial(MemoryTracker, device_filter=lambda device: True)
-        stack.enter_context(mock.patch.object(overlap_scheduling, "MemoryTracker", cpu_too))
-        # The bucketer can leave an ordering-only edge that closes a cycle (seen on our backward
-        # graphs; PyTorch asks for a report and offers this switch, which drops such edges).
-        # Data dependencies are never dropped, so the graph stays valid.
-        stack.enter_context(
-            inductor_config.patch({"aten_distributed_optimizations.overlap_scheduling_autofix_cycles": True})
-        )
-        yield
 
 
 def inductor_schedule(
@@ -91,12 +70,10 @@ def inductor_schedule(
         pre_bucketing_fsdp_collectives=False,
     )
     kwargs.update(options)
-    try:
-        with _cpu_estimators():
-            overlap_scheduling.schedule_overlap_bucketing(gm, **kwargs)
-    finally:
-        # functools.cache keyed on nodes: would keep our graphs alive.
-        overlap_scheduling.get_group_name.cache_clear()
+    # What makes PyTorch's scheduler CUDA-only or wrong on our graphs is patched for the duration
+    # of the call (see patch_overlap_scheduler); its caches keyed on our nodes are cleared after it.
+    with patch_overlap_scheduler(CPU_DRAM_GBPS, CPU_TFLOPS):
+        schedule_overlap_bucketing(gm, **kwargs)
     gm.graph.lint()
     gm.recompile()
     return gm

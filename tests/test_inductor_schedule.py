@@ -3,7 +3,6 @@ backward graphs at world size 8 (fake process group, one process)."""
 from __future__ import annotations
 
 import copy
-import importlib
 
 import pytest
 import torch
@@ -11,16 +10,14 @@ from torch import fx
 from torch.utils.flop_counter import flop_registry
 
 import autoshard
-from autoshard._compat import RUNTIME_ESTIMATION, c10d
+from autoshard._compat import c10d, overlap_scheduler_state
 from autoshard.cost_model import estimators
 from autoshard.passes.inductor_schedule import inductor_schedule
 from fake_pg import captured_graphs, count, fake_world
 from gpt import GPT, GPTConfig
-from models import batch
+from models import batch, build
 
 WORLD = 8
-# The module itself (autoshard.passes re-exports the function under the same name).
-mod = importlib.import_module("autoshard.passes.inductor_schedule")
 GATHERS = (c10d.all_gather_into_tensor.default, c10d.all_gather_into_tensor_out.default)
 
 
@@ -154,8 +151,7 @@ def test_transformed_forward_runs_on_the_fake_process_group(scheduled):
 
 
 def test_injected_estimators_steer_the_schedule_and_global_state_is_restored(captured):
-    runtime_estimation = importlib.import_module(RUNTIME_ESTIMATION)
-    saved = (runtime_estimation.get_gpu_dram_gbps, mod.overlap_scheduling.MemoryTracker)
+    saved = overlap_scheduler_state()
     fw, seen_compute, seen_collectives = captured["forward"], [], []
     before = _gather_issue_points(fw)
 
@@ -175,11 +171,29 @@ def test_injected_estimators_steer_the_schedule_and_global_state_is_restored(cap
     after = _gather_issue_points(slow)
     assert _hidden_gathers(slow) > 0
     assert max(before[shard] - after[shard] for shard in before) >= 4
-    assert (runtime_estimation.get_gpu_dram_gbps, mod.overlap_scheduling.MemoryTracker) == saved
-    assert mod.inductor_config.aten_distributed_optimizations.overlap_scheduling_autofix_cycles is False
+    assert overlap_scheduler_state() == saved
 
 
 def test_graph_without_collectives_is_untouched():
     gm = fx.symbolic_trace(lambda x: torch.relu(x) + 1)
     code = gm.code
     assert inductor_schedule(gm, *estimators("cpu")).code == code
+
+
+def test_buckets_hold_one_kind_of_collective(captured):
+    """A 0-d parameter's gradient is all-reduced in the same group, with the same op and dtype
+    as the reduce-scattered ones: it must not join their bucket (the backend's estimates, which
+    price copies at 0, make the bucketer try)."""
+    backward = {}
+    for schedule in ("none", "inductor"):
+        torch._dynamo.reset()
+        with captured_graphs() as graphs:  # in the module's fake world (held by ``captured``)
+            model = autoshard.shard(build("uneven"))
+            compiled = torch.compile(model, backend="autoshard", options={"compiler": "aot_eager", "schedule": schedule})
+            x, y = batch("uneven", 0)
+            compiled(x, y).backward()
+            (backward[schedule],) = graphs["backward"]
+    torch._dynamo.reset()
+    before, after = backward["none"], backward["inductor"]
+    assert count(before, "all_reduce") == count(after, "all_reduce") == 1
+    assert count(after, "reduce_scatter_tensor") < count(before, "reduce_scatter_tensor")  # the others were bucketed

@@ -8,10 +8,10 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._dynamo.utils import counters
 from torch.distributed.tensor import DTensor
 
 import autoshard
+from autoshard._compat import dynamo_counters as counters
 from models import GLOBAL_BATCH, batch, build
 
 BF16 = torch.bfloat16
