@@ -118,8 +118,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first; the first compiles (default 3)")
     parser.add_argument("--json", metavar="PATH", help="also write the configuration and rows here")
     args = parser.parse_args(argv)
-    args.device = str(torch.device(args.device))
-    preset = PRESETS["cuda" if args.device.startswith("cuda") else "cpu"]
+    device = torch.device(args.device)
+    if device.type not in ("cuda", "cpu"):
+        parser.error(f"--device {device}: only cuda and cpu are measured")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda, but torch sees no CUDA device")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())  # torch.cuda.set_device refuses "cuda" without an index
+    args.device = str(device)
+    preset = PRESETS[device.type]
     for key, value in preset.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -128,8 +135,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(f"--embd {args.embd} is not divisible by --heads {args.heads}")
     if args.steps < 1 or args.warmup < 1 or args.world_size < 2:
         parser.error("--steps and --warmup must be at least 1, --world-size at least 2")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        parser.error("--device cuda, but torch sees no CUDA device")
     return args
 
 
