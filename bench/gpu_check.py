@@ -18,7 +18,7 @@ On the GPU machine (one H200, Python 3.12, torch 2.11, no network), from the rep
 GPT 6 x 1024 (127M parameters), seq 1024, batch 8, vocab 50304, world size 8, Inductor; four
 compiles take most of the time, each system's start is logged to stderr with the seconds so
 far. Without a GPU, ``python bench/gpu_check.py`` runs ``--device cpu`` (GPT 2 x 64, seq 32,
-batch 2; ~1 min on 2 cores with Inductor's C++ codegen, ~10 s with ``--compiler aot_eager``).
+batch 2; 1-2 min on 2 cores with Inductor's C++ codegen, ~10 s with ``--compiler aot_eager``).
 
 Columns, one row per precision and system:
 
@@ -149,7 +149,8 @@ def generated(codes: list[str]) -> tuple[Counter, int]:
 def cpu_peak_bytes(step: Callable[[], None], model: nn.Module, inputs: Sequence[torch.Tensor]) -> int:
     """Bytes live at the step's start (parameters, as this rank holds them, and the batch) plus
     the largest rise of allocated bytes during it, from the profiler's memory events."""
-    sys.path.insert(0, str(ROOT / "bench"))
+    if str(ROOT / "bench") not in sys.path:
+        sys.path.append(str(ROOT / "bench"))  # last: bench/checkpoint.py must shadow nothing
     from torch.profiler import ProfilerActivity, profile, record_function
 
     from real import peak_rise  # the profiler arithmetic bench/real.py measures CPU memory with

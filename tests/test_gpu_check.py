@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+sys.path.append(str(Path(__file__).resolve().parents[1] / "bench"))  # last: bench/checkpoint.py must shadow nothing
 import gpu_check  # noqa: E402
 
 ROWS = [("fp32", "unsharded"), ("fp32", "autoshard"), ("bf16", "unsharded"), ("bf16", "autoshard")]
