@@ -81,6 +81,16 @@ def first_example(name: str) -> tuple[torch.Tensor, torch.Tensor]:
     return x[:1], y[:1]
 
 
+def same_tokens(make: Callable[[], torch.Tensor]) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
+    """Inputs for a language model: the token ids ``make()`` returns as inputs and as targets
+    (the graphs depend on shapes only)."""
+    def inputs() -> tuple[torch.Tensor, torch.Tensor]:
+        idx = make()
+        return idx, idx
+
+    return inputs
+
+
 Factory = Union[str, Callable[[], nn.Module]]
 
 
