@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 import autoshard
 from autoshard._compat import fake_process_group, fake_tensor_mode
 from autoshard.dump import recording
+from models import batch, build
 
 
 @contextlib.contextmanager
@@ -75,8 +76,6 @@ class Step:
 
 def first_example(name: str) -> tuple[torch.Tensor, torch.Tensor]:
     """One row of step 0's batch of ``models.MODELS[name]``: graphs depend on shapes only."""
-    from models import batch
-
     x, y = batch(name, 0)
     return x[:1], y[:1]
 
@@ -124,8 +123,6 @@ def sharded_step(
     ``shard_kwargs`` go to ``autoshard.shard``.
     """
     if isinstance(model, str):
-        from models import build
-
         name, model = model, (lambda: build(name))
         inputs = inputs if inputs is not None else (lambda: first_example(name))
     assert inputs is not None, "a factory needs inputs"
