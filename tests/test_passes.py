@@ -320,8 +320,9 @@ def _gathered_bytes(gather: fx.Node) -> int:
 
 
 def test_schedule_prefetches_less_to_stay_within_the_memory_bound(drawing):
-    """Gathers want 2 blocks ahead (time 1.5), but the bound holds only blocks 1 and 2 at once:
-    the last gather waits until block 0's parameters are dead, 1 block ahead.
+    """On the bucketed forward drawn above: gathers want 2 blocks ahead (time 1.5), but the
+    bound holds only blocks 1 and 2 at once, so the last gather is issued once block 0's
+    parameters are dead, 1 block ahead. A bound below the largest bucket is an error.
 
     after:  ag(0.w+0.b) ag(1.w+1.b) wait(0.w+0.b) mm
             ag(2.w+2.b+norm.w+norm.b) wait(1.w+1.b) mm wait(2.w+2.b+norm.w+norm.b) mm ln
@@ -331,7 +332,7 @@ def test_schedule_prefetches_less_to_stay_within_the_memory_bound(drawing):
     bound = _gathered_bytes(second) + _gathered_bytes(third)
     schedule_overlap(forward, _matmuls_take_one, lambda n: 1.5, max_inflight_bytes=bound)
     assert events(forward) == drawing("after")
-    with pytest.raises(ValueError, match="max_inflight_mb=.* is below the"):  # not even one bucket fits
+    with pytest.raises(ValueError, match="max_inflight_mb=.* is below the"):  # not even gathering at use fits
         schedule_overlap(_bucketed("forward"), _matmuls_take_one, lambda n: 1.5, max_inflight_bytes=_gathered_bytes(third) - 1)
 
 
