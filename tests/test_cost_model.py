@@ -10,7 +10,6 @@ import torch
 import torch.distributed as dist
 from torch import fx
 
-import autoshard
 from autoshard._compat import c10d
 from autoshard.analysis import analyze
 from autoshard.cost_model import (
@@ -21,8 +20,7 @@ from autoshard.cost_model import (
     node_flops,
     node_time,
 )
-from fake_pg import captured_graphs, fake_world
-from models import batch, build
+from fake_pg import compile_step, fake_world
 
 WORLD = 8
 aten = torch.ops.aten
@@ -42,15 +40,8 @@ def gpt():
     def get(**options):
         key = tuple(sorted(options.items()))
         if key not in compiled:
-            torch._dynamo.reset()
-            with fake_world(WORLD), captured_graphs() as graphs:
-                model = autoshard.shard(build("gpt"))
-                x, y = batch("gpt", 0)
-                torch.compile(model, backend="autoshard", options={"compiler": "aot_eager", **options})(
-                    x[:1], y[:1]
-                ).backward()
-            (fw,), (bw,) = graphs["forward"], graphs["backward"]
-            compiled[key] = (model, fw, bw)
+            step = compile_step("gpt", world_size=WORLD, options=options)
+            compiled[key] = (step.model, step.forward, step.backward)
         return compiled[key]
 
     yield get

@@ -20,7 +20,7 @@ from autoshard.analysis import analyze
 from autoshard.cli import main
 from autoshard.explain import add_arguments
 from autoshard.report import STAGES, Report, _fmt_bytes, _fmt_time
-from fake_pg import captured_graphs, fake_world
+from fake_pg import fake_world, same_tokens, sharded_step
 from models import build
 from train_gpt import build_model
 
@@ -113,12 +113,8 @@ def test_a_module_is_copied_graph_breaks_give_a_report_each_and_inference_has_no
 
 def test_a_debug_dir_compile_writes_the_report(tmp_path, monkeypatch):
     monkeypatch.setenv("AUTOSHARD_DEBUG_DIR", str(tmp_path))  # the default of the debug_dir option
-    torch._dynamo.reset()
-    with fake_world(8), captured_graphs() as graphs:
-        model = autoshard.shard(build("gpt"))
-        idx = torch.randint(0, 64, (1, 16))
-        torch.compile(model, backend="autoshard", options={"compiler": "aot_eager", "profile": "h100"})(idx, idx).backward()
-        expected = Report(graphs.compiled[0], "h100").summary().split("\n", 1)[1]
+    with sharded_step("gpt", same_tokens(lambda: torch.randint(0, 64, (1, 16))), world_size=8, options={"profile": "h100"}) as step:
+        expected = Report(step.graphs.compiled[0], "h100").summary().split("\n", 1)[1]
     (folder,) = (tmp_path / "rank0").iterdir()
     assert {"report.html", "trace.json", "summary.txt", "forward.py", "backward.py"} <= {p.name for p in folder.iterdir()}
     assert expected in (folder / "summary.txt").read_text()

@@ -10,29 +10,16 @@ import pytest
 import torch
 from torch import fx
 
-import autoshard
 from autoshard._compat import c10d
-from fake_pg import captured_graphs, count, fake_world
+from fake_pg import compile_step, count, fake_world
 from models import batch, build
 
 WORLD = 8
 
 
-@pytest.fixture(autouse=True)
-def world8():
-    torch._dynamo.reset()
-    with fake_world(WORLD):
-        yield
-
-
 def _compile_step(name: str, **options) -> tuple[torch.nn.Module, fx.GraphModule, fx.GraphModule]:
-    model = autoshard.shard(build(name))
-    with captured_graphs() as graphs:
-        compiled = torch.compile(model, backend="autoshard", options={"compiler": "aot_eager", "schedule": "none", **options})
-        x, y = batch(name, 0)
-        compiled(x[:1], y[:1]).backward()
-    (fw,), (bw,) = graphs["forward"], graphs["backward"]
-    return model, fw, bw
+    step = compile_step(name, world_size=WORLD, options={"schedule": "none", **options})
+    return step.model, step.forward, step.backward
 
 
 def _saved_gathers(fw: fx.GraphModule) -> list[fx.Node]:
@@ -87,21 +74,19 @@ def test_uneven_and_scalar_parameters():
 
 
 def test_unsharded_trainable_parameters_warn_once():
-    model = build("mlp")
-    x, y = batch("mlp", 0)
-    with pytest.warns(UserWarning, match="autoshard.shard"):
-        torch.compile(model, backend="autoshard", options={"compiler": "aot_eager"})(x, y)
     torch._dynamo.reset()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        torch.compile(build("mlp"), backend="autoshard", options={"compiler": "aot_eager"})(x, y)
+    model = build("mlp")  # not sharded: the warning's subject
+    x, y = batch("mlp", 0)
+    with fake_world(WORLD):  # one rank alone has nothing to warn about
+        with pytest.warns(UserWarning, match="autoshard.shard"):
+            torch.compile(model, backend="autoshard", options={"compiler": "aot_eager"})(x, y)
+        torch._dynamo.reset()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            torch.compile(build("mlp"), backend="autoshard", options={"compiler": "aot_eager"})(x, y)
 
 
 def test_inference_graph_is_lowered_too():
-    model = autoshard.shard(build("mlp"))
-    with captured_graphs() as graphs, torch.no_grad():
-        x, y = batch("mlp", 0)
-        torch.compile(model, backend="autoshard", options={"compiler": "aot_eager", "schedule": "none"})(x, y)
-    (fw,) = graphs["forward"]
-    assert count(fw, "all_gather_into_tensor") == len(list(model.parameters()))
-    assert count(fw, "autoshard") == 0
+    step = compile_step("mlp", batch("mlp", 0), world_size=WORLD, train=False, options={"schedule": "none"})
+    assert count(step.forward, "all_gather_into_tensor") == len(list(step.model.parameters()))
+    assert count(step.forward, "autoshard") == 0

@@ -6,9 +6,8 @@ import re
 import torch
 from torch import fx
 
-import autoshard
 from autoshard._compat import run_and_get_code
-from fake_pg import captured_graphs, fake_world
+from fake_pg import compile_step, same_tokens
 from gpt import GPT, GPTConfig
 
 MATMULS = {"mm", "addmm", "bmm"}
@@ -41,15 +40,16 @@ def _placement(events: list[str]) -> list[tuple[str, int]]:
     return sorted(placed)
 
 
+def _gpt() -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=3, n_head=2, n_embd=32))
+
+
 def test_generated_code_keeps_the_scheduled_order():
-    torch._dynamo.reset()
-    with fake_world(8), captured_graphs() as graphs:
-        torch.manual_seed(0)
-        model = autoshard.shard(GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=3, n_head=2, n_embd=32)))
-        x = torch.randint(0, 64, (1, 16))
-        compiled = torch.compile(model, backend="autoshard", options={"compiler": "inductor", "profile": "h100"})
-        _, (fw_code, bw_code) = run_and_get_code(lambda: compiled(x, x).backward())
-    for gm, code in ((graphs["forward"][0], fw_code), (graphs["backward"][0], bw_code)):
+    step = compile_step(_gpt, same_tokens(lambda: torch.randint(0, 64, (1, 16))), world_size=8,
+                        options={"compiler": "inductor", "profile": "h100"}, run=run_and_get_code)
+    _, (fw_code, bw_code) = step.result
+    for gm, code in ((step.forward, fw_code), (step.backward, bw_code)):
         expected = _fx_events(gm)
         assert expected.count("all_gather_into_tensor") >= 2  # something was scheduled
         got, planned = _placement(_code_events(code)), _placement(expected)

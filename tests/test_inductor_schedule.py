@@ -13,7 +13,7 @@ import autoshard
 from autoshard._compat import c10d, overlap_scheduler_state
 from autoshard.cost_model import estimators
 from autoshard.passes.inductor_schedule import inductor_schedule
-from fake_pg import captured_graphs, count, fake_world
+from fake_pg import captured_graphs, count, first_example, sharded_step
 from gpt import GPT, GPTConfig
 from models import batch, build
 
@@ -29,16 +29,13 @@ def _copy(gm: fx.GraphModule) -> fx.GraphModule:
 def captured():
     """The final forward and backward graphs of one training step; the fake world stays up
     for the module because the pass asks the process group for its size."""
-    torch._dynamo.reset()
-    with fake_world(WORLD), captured_graphs() as graphs:
+    def gpt() -> GPT:
         torch.manual_seed(0)
-        model = autoshard.shard(GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=2, n_embd=32)))
-        # schedule "none": the lowered graphs, before any bucketing or reordering.
-        compiled = torch.compile(model, backend="autoshard", options={"compiler": "aot_eager", "schedule": "none"})
-        x, y = batch("gpt", 0)
-        compiled(x[:1], y[:1]).backward()
-        (fw,), (bw,) = graphs["forward"], graphs["backward"]
-        yield {"forward": fw, "backward": bw}
+        return GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=2, n_embd=32))
+
+    # schedule "none": the lowered graphs, before any bucketing or reordering.
+    with sharded_step(gpt, first_example("gpt"), world_size=WORLD, options={"schedule": "none"}) as step:
+        yield {"forward": step.forward, "backward": step.backward}
     torch._dynamo.reset()
 
 

@@ -4,16 +4,13 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import fx
-from torch.distributed.device_mesh import init_device_mesh
 
-import autoshard
-from autoshard._compat import c10d, fake_tensor_mode
+from autoshard._compat import c10d
 from autoshard.analysis import analyze
 from autoshard.consistency import plan_signature
 from autoshard.passes.graph_utils import PARAMS, collectives, outputs_of, wait_of
-from fake_pg import captured_graphs, fake_world
+from fake_pg import compile_step, same_tokens
 from gpt import GPT, GPTConfig
-from models import build
 
 WORLD, LAYERS = 8, 6
 _cache: dict = {}
@@ -28,14 +25,11 @@ def _compile(schedule: str = "autoshard", **options) -> tuple[fx.GraphModule, fx
     """(forward, backward) of the 6-layer GPT compiled at world size 8 (cached per options)."""
     key = (schedule, tuple(sorted(options.items())))
     if key not in _cache:
-        torch._dynamo.reset()
-        with fake_world(WORLD), captured_graphs() as graphs:
-            model = autoshard.shard(_deep_gpt())
-            idx = torch.randint(0, 256, (1, 32))
-            opts = {"compiler": "aot_eager", "schedule": schedule, "profile": "h100", **options}
-            torch.compile(model, backend="autoshard", options=opts)(idx, idx).backward()
-        _cache[key] = (graphs["forward"][0], graphs["backward"][0])
+        inputs = same_tokens(lambda: torch.randint(0, 256, (1, 32)))
+        step = compile_step(_deep_gpt, inputs, world_size=WORLD, options={"schedule": schedule, "profile": "h100", **options})
+        _cache[key] = (step.forward, step.backward)
     return _cache[key]
+
 
 
 def _block(node: fx.Node) -> set[int]:
@@ -115,25 +109,18 @@ def test_autoshard_exposes_less_communication_than_the_baselines():
 def test_plan_signature_ignores_rank_dependent_padding():
     signatures = []
     for rank in (0, WORLD - 1):  # "uneven" pads shards on the last ranks only
-        torch._dynamo.reset()
-        with fake_world(WORLD, rank), captured_graphs() as graphs:
-            model = autoshard.shard(build("uneven"))
-            torch.compile(model, backend="autoshard", options={"compiler": "aot_eager"})(torch.randn(2, 16), torch.randn(2, 1))
-        signatures.append(plan_signature(graphs["forward"][0]))
+        step = compile_step("uneven", lambda: (torch.randn(2, 16), torch.randn(2, 1)), world_size=WORLD, rank=rank)
+        signatures.append(plan_signature(step.forward))
     assert signatures[0] == signatures[1]
 
 
 def test_a_fake_model_compiles_and_its_gathers_are_used():
     """Models of fake tensors compile, so large shapes need no memory. A big tied embedding
     forms its own bucket, kept gathered into the backward: no gather there goes unused."""
-    torch._dynamo.reset()
-    with fake_world(WORLD), captured_graphs() as graphs:
-        mesh = init_device_mesh("cpu", (WORLD,))  # outside: building a mesh reads real tensors
-        with fake_tensor_mode():
-            model = autoshard.shard(GPT(GPTConfig(vocab_size=8192, block_size=32, n_layer=2, n_head=4, n_embd=64)), mesh)
-            idx = torch.zeros(1, 32, dtype=torch.long)
-            torch.compile(model, backend="autoshard", options={"compiler": "aot_eager", "profile": "h100"})(idx, idx).backward()
-    for gm in (graphs["forward"][0], graphs["backward"][0]):
+    step = compile_step(lambda: GPT(GPTConfig(vocab_size=8192, block_size=32, n_layer=2, n_head=4, n_embd=64)),
+                        same_tokens(lambda: torch.zeros(1, 32, dtype=torch.long)),
+                        world_size=WORLD, mesh=(WORLD,), fake=True, options={"profile": "h100"})
+    for gm in (step.forward, step.backward):
         for gather in collectives(gm.graph, c10d.all_gather_into_tensor.default):
             outputs = outputs_of(wait_of(gather))
             assert any(u not in outputs for o in outputs for u in o.users), gather.meta[PARAMS]

@@ -22,7 +22,7 @@ from autoshard._compat import c10d
 from autoshard.launch import run_ranks
 from autoshard.ops import local_rows
 from autoshard.passes.graph_utils import collectives, positions, wait_of
-from fake_pg import captured_graphs, count, fake_world
+from fake_pg import count, fake_world, sharded_step
 from models import GLOBAL_BATCH, batch, build
 from trainer import BF16, param_error, full_optimizer_state, train_mixed_precision, train_pair
 
@@ -141,14 +141,11 @@ GRAPH_WORLD = 8
 
 def _graphs(strategy: str) -> tuple[fx.GraphModule, fx.GraphModule, dict[str, str]]:
     """(forward, backward, the process groups' names by role) of a GPT step, schedule autoshard."""
-    torch._dynamo.reset()
-    with fake_world(GRAPH_WORLD), captured_graphs() as graphs:
-        mesh = init_device_mesh("cpu", (2, GRAPH_WORLD // 2)) if strategy == "hybrid" else init_device_mesh("cpu", (GRAPH_WORLD,))
+    shape = (2, GRAPH_WORLD // 2) if strategy == "hybrid" else (GRAPH_WORLD,)
+    with sharded_step("gpt", world_size=GRAPH_WORLD, mesh=shape, strategy=strategy) as step:
+        mesh = step.mesh  # its groups have names only while the world is up
         groups = {"shard": mesh.get_group(mesh.ndim - 1).group_name, "replica": mesh.get_group(0).group_name}
-        model = autoshard.shard(build("gpt"), mesh, strategy=strategy)
-        x, y = batch("gpt", 0)
-        torch.compile(model, backend="autoshard", options={"compiler": "aot_eager"})(x[:1], y[:1]).backward()
-    return graphs["forward"][0], graphs["backward"][0], groups
+    return step.forward, step.backward, groups
 
 
 def _groups(gm: fx.GraphModule, op) -> set[str]:

@@ -21,7 +21,7 @@ from autoshard import grad_sync, ops
 from autoshard._compat import c10d
 from autoshard.launch import run_ranks
 from autoshard.passes.graph_utils import PARAMS, collectives
-from fake_pg import captured_graphs, count, fake_world
+from fake_pg import compile_step, count
 from models import batch, build
 from trainer import BF16, train_mixed_precision, train_pair
 
@@ -145,12 +145,8 @@ def _reset():
 
 def _graphs(name: str, *, sync: bool = True, **shard_kwargs) -> tuple[torch.nn.Module, fx.GraphModule, fx.GraphModule]:
     """(sharded model, forward, backward) of one training step at world size 8, schedule autoshard."""
-    with fake_world(WORLD), captured_graphs() as graphs:
-        model = autoshard.shard(build(name), **shard_kwargs)
-        model.set_requires_gradient_sync(sync)
-        x, y = batch(name, 0)
-        torch.compile(model, backend="autoshard", options={"compiler": "aot_eager"})(x[:1], y[:1]).backward()
-    return model, graphs["forward"][0], graphs["backward"][0]
+    step = compile_step(name, world_size=WORLD, sync=sync, **shard_kwargs)
+    return step.model, step.forward, step.backward
 
 
 def _gathered(gm: fx.GraphModule) -> Counter:

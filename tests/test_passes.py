@@ -1,0 +1,394 @@
+"""Each graph pass alone, on the graphs of a 3-layer MLP (and of a 2-layer one with a tied
+weight) compiled at world size 4 on the fake process group.
+
+Each test takes the stage a pass consumes (recorded from one compile with schedule "none",
+so no pass beyond lowering has run), runs only that pass on a copy, and compares the
+sequence of communication and compute nodes with the one its docstring draws. Notation:
+
+    un(p) / rg(p)    autoshard::unshard / reduce_grad annotation of parameter p
+    ag / rs (p+q)    all_gather_into_tensor / reduce_scatter_tensor moving p and q
+    wait(p+q)        wait_tensor of that collective
+    mm  ln  ln_bw  add   matmul (mm, addmm), layer norm forward / backward, add
+
+Parameters are written short: layers.0.weight is 0.w, norm.bias is norm.b.
+"""
+from __future__ import annotations
+
+import copy
+import inspect
+import re
+import warnings
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+from autoshard._compat import c10d, recompute_region
+from autoshard.passes import bucket_collectives, keep_last_bucket_gathered, lower_annotations, merge_shared_parameters, schedule_overlap
+from autoshard.passes.graph_utils import PARAMS, is_op
+from fake_pg import compile_step
+
+WORLD = 4
+annotations = torch.ops.autoshard
+COLLECTIVES = {c10d.all_gather_into_tensor.default: "ag", c10d.reduce_scatter_tensor.default: "rs"}
+COMPUTE = {"mm": "mm", "addmm": "mm", "native_layer_norm": "ln", "native_layer_norm_backward": "ln_bw", "add": "add"}
+
+
+class Stack(nn.Module):
+    """Three blocks (layers.0-2; the last has 6 rows, uneven over 4 ranks) and a final norm
+    outside the blocks, small enough to join the last block's bucket."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 6)])
+        self.norm = nn.LayerNorm(6)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return F.mse_loss(self.norm(x), y)
+
+
+class Tied(nn.Module):
+    """Two linear layers sharing one weight under two names (inp.weight, out.weight)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.out = nn.Linear(8, 8, bias=False), nn.Linear(8, 8, bias=False)
+        self.out.weight = self.inp.weight
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(self.out(torch.tanh(self.inp(x))), y)
+
+
+_compiled: dict[tuple, dict[str, fx.GraphModule]] = {}
+
+
+def stage(model: type[nn.Module], name: str, rank: int = 0) -> fx.GraphModule:
+    """A copy of stage ``name`` (``joint``, ``lowered``, ``forward``, ``backward``) of ``model``'s graph,
+    compiled once per (model, rank) with schedule "none"."""
+    key = (model, rank)
+    if key not in _compiled:
+        torch.manual_seed(0)
+        step = compile_step(model, lambda: (torch.randn(2, 8), torch.randn(2, 8 if model is Tied else 6)),
+                            world_size=WORLD, rank=rank, options={"schedule": "none"})
+        (_compiled[key],) = step.graphs.compiled
+    gm = _compiled[key][name]
+    with warnings.catch_warnings():  # copying pytree specs warns of a deprecation inside torch
+        warnings.simplefilter("ignore", FutureWarning)
+        return fx.GraphModule(gm, copy.deepcopy(gm.graph))  # passes work in place; node meta (fake values) is kept
+
+
+def arg(node: fx.Node, name: str) -> Any:
+    """Argument ``name`` of an op call, found through the op's schema."""
+    for i, a in enumerate(node.target._schema.arguments):
+        if a.name == name:
+            return node.args[i] if i < len(node.args) else node.kwargs.get(name, a.default_value)
+    raise KeyError(name)
+
+
+def _short(name: str) -> str:
+    return re.sub(r"\.weight$", ".w", re.sub(r"\.bias$", ".b", name.removeprefix("layers.")))
+
+
+def _params(node: fx.Node) -> str:
+    return "+".join(map(_short, node.meta[PARAMS]))
+
+
+def label(node: fx.Node) -> str | None:
+    """The node as the drawings write it; None for nodes they leave out."""
+    if node.op != "call_function":
+        return None
+    if is_op(node, annotations.unshard):
+        return f"un({_short(arg(node, 'name'))})"
+    if is_op(node, annotations.reduce_grad):
+        return f"rg({_short(arg(node, 'name'))})"
+    if node.target in COLLECTIVES:
+        return f"{COLLECTIVES[node.target]}({_params(node)})"
+    if node.target is c10d.wait_tensor.default:
+        return f"wait({_params(arg(node, 'tensor'))})"
+    return COMPUTE.get(getattr(node.target, "_opname", None))
+
+
+def events(gm: fx.GraphModule) -> list[str]:
+    return [e for e in map(label, gm.graph.nodes) if e is not None]
+
+
+@pytest.fixture
+def drawing(request) -> Callable[[str], list[str]]:
+    """``drawing("before")``: the events the test's docstring draws on its line ``before: ...``
+    and the indented lines under it. The assertions compare against the drawing itself."""
+    lines = inspect.getdoc(request.function).splitlines()
+
+    def get(name: str) -> list[str]:
+        for i, line in enumerate(lines):
+            if line.startswith(f"{name}:"):
+                found = line.split(":", 1)[1].split()
+                for more in lines[i + 1:]:
+                    if not more.startswith(" ") or not more.strip():
+                        break
+                    found += more.split()
+                return found
+        raise KeyError(f"{request.function.__name__} draws no {name!r}")
+
+    return get
+
+
+def _gathers(gm: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.target is c10d.all_gather_into_tensor.default]
+
+
+_POLICIES = {"MUST_RECOMPUTE": "R", "MUST_SAVE": "S"}
+
+
+def _policies(gm: fx.GraphModule) -> list[str]:
+    """Each gather with R (MUST_RECOMPUTE: gathered again in backward), S (MUST_SAVE) or - (untagged)."""
+    return [f"{label(g)}/{_POLICIES.get(getattr(g.meta.get('recompute'), 'name', None), '-')}" for g in _gathers(gm)]
+
+
+# merge_shared_parameters (joint graph, before lowering) ----------------------------------
+
+
+def test_merge_shared_gathers_a_tied_weight_once_and_reduces_the_summed_gradient_once(drawing):
+    """inp.weight and out.weight are one shard: two annotations become one each way.
+
+    before:  un(inp.w) mm un(out.w) mm mm mm rg(out.w) mm rg(inp.w) add
+    after:   un(inp.w) mm mm mm mm mm add rg(out.w)
+    """
+    joint = stage(Tied, "joint")
+    assert events(joint) == drawing("before")
+    merge_shared_parameters(joint)
+    assert events(joint) == drawing("after")
+    (unshard,) = [n for n in joint.graph.nodes if is_op(n, annotations.unshard)]
+    (reduce,) = [n for n in joint.graph.nodes if is_op(n, annotations.reduce_grad)]
+    # The kept gather now feeds both matmuls; the reduce takes the sum of both uses' gradients.
+    assert len([u for u in unshard.users if u.target is torch.ops.aten.t.default]) == 2
+    assert arg(reduce, "grad").target is torch.ops.aten.add.Tensor
+    assert arg(reduce, "shard_rows") == 8 // WORLD
+
+
+# lower_annotations (joint graph) ----------------------------------------------------------
+
+
+def test_lower_turns_annotations_into_collectives_and_waits(drawing):
+    """Each unshard becomes a gather and its wait, each reduce_grad a reduce-scatter and its
+    wait, in place; gathers are tagged to be recomputed (gathered again) in backward.
+
+    before:  un(0.w) un(0.b) mm un(1.w) un(1.b) mm un(2.w) un(2.b) mm un(norm.w) un(norm.b) ln
+             ln_bw rg(norm.b) rg(norm.w) mm mm rg(2.b) rg(2.w) mm mm rg(1.b) rg(1.w) mm rg(0.b) rg(0.w)
+    after:   ag(0.w) wait(0.w) ag(0.b) wait(0.b) mm ag(1.w) wait(1.w) ag(1.b) wait(1.b) mm
+             ag(2.w) wait(2.w) ag(2.b) wait(2.b) mm ag(norm.w) wait(norm.w) ag(norm.b) wait(norm.b) ln
+             ln_bw rs(norm.b) wait(norm.b) rs(norm.w) wait(norm.w) mm mm rs(2.b) wait(2.b) rs(2.w) wait(2.w)
+             mm mm rs(1.b) wait(1.b) rs(1.w) wait(1.w) mm rs(0.b) wait(0.b) rs(0.w) wait(0.w)
+    """
+    joint = stage(Stack, "joint")
+    assert events(joint) == drawing("before")
+    (group,) = {arg(n, "group_name") for n in joint.graph.nodes if is_op(n, annotations.unshard)}
+    lower_annotations(joint)
+    assert events(joint) == drawing("after")
+    reduces = [n for n in joint.graph.nodes if n.target is c10d.reduce_scatter_tensor.default]
+    assert {(arg(g, "group_name"), arg(g, "group_size")) for g in _gathers(joint)} == {(group, WORLD)}
+    assert {(arg(r, "group_name"), arg(r, "group_size"), arg(r, "reduce_op")) for r in reduces} == {(group, WORLD, "avg")}
+    assert all(recompute_region(g) is not None for g in _gathers(joint))
+
+
+def test_lower_without_reshard_tags_nothing_for_recompute(drawing):
+    """reshard_after_forward=False: no gather is tagged (/R: recompute, -: untagged), so the
+    partitioner may save gathered parameters for backward.
+
+    after:  ag(0.w)/- ag(0.b)/- ag(1.w)/- ag(1.b)/- ag(2.w)/- ag(2.b)/- ag(norm.w)/- ag(norm.b)/-
+    """
+    joint = lower_annotations(stage(Stack, "joint"), reshard_after_forward=False)
+    assert _policies(joint) == drawing("after")
+    assert not any(recompute_region(n) is not None for n in joint.graph.nodes)  # nor their pads, waits, slices
+
+
+def _gather_chain(gm: fx.GraphModule, param: str) -> list[fx.Node]:
+    """The nodes from ``param``'s shard (a placeholder) to the full parameter: what lowering
+    made of its unshard."""
+    (gather,) = [g for g in _gathers(gm) if g.meta[PARAMS] == (param,)]
+    chain, node = [gather], gather.args[0]
+    while node.op == "call_function":
+        chain.insert(0, node)
+        node = node.args[0]
+    while len(chain[-1].users) == 1 and next(iter(chain[-1].users)).target in (c10d.wait_tensor.default, torch.ops.aten.slice.Tensor):
+        chain.append(next(iter(chain[-1].users)))
+    return chain
+
+
+@pytest.mark.parametrize("rank", [0, 3])
+def test_lower_pads_short_shards_and_cuts_the_padding_off(rank, drawing):
+    """layers.2.weight has 6 rows over 4 ranks: 2 rows each on ranks 0-2, none on rank 3.
+    Rank 3 pads its empty shard to 2 rows; every rank gathers 8 rows and keeps the first 6.
+
+    rank 0:  view ag(2.w) wait(2.w) slice
+    rank 3:  view constant_pad_nd ag(2.w) wait(2.w) slice
+    """
+    chain = _gather_chain(lower_annotations(stage(Stack, "joint", rank)), "layers.2.weight")
+    assert [label(n) or n.target._opname for n in chain] == drawing(f"rank {rank}")
+    assert (arg(chain[-1], "dim"), arg(chain[-1], "start"), arg(chain[-1], "end")) == (0, 0, 6)
+    if rank == 3:
+        assert arg(chain[1], "pad") == [0, 0, 0, 2]  # dim 0 (the last pair) grows by 2 rows
+
+
+# bucket_collectives (partitioned forward / backward) ---------------------------------------
+
+
+def test_bucket_gathers_one_block_at_a_time_and_a_small_leftover_joins_the_last(drawing):
+    """One gather per block, where its first member was; the final norm (64 bytes, under a
+    quarter of block 2's 288) joins block 2's bucket.
+
+    before:  ag(0.w) wait(0.w) ag(0.b) wait(0.b) mm ag(1.w) wait(1.w) ag(1.b) wait(1.b) mm
+             ag(2.w) wait(2.w) ag(2.b) wait(2.b) mm ag(norm.w) wait(norm.w) ag(norm.b) wait(norm.b) ln
+    after:   ag(0.w+0.b) wait(0.w+0.b) mm ag(1.w+1.b) wait(1.w+1.b) mm
+             ag(2.w+2.b+norm.w+norm.b) wait(2.w+2.b+norm.w+norm.b) mm ln
+    """
+    forward = stage(Stack, "forward")
+    assert events(forward) == drawing("before")
+    bucket_collectives(forward)
+    assert events(forward) == drawing("after")
+    # One flat buffer per bucket: every rank's padded shards of its members, concatenated.
+    assert [g.meta["val"].numel() for g in _gathers(forward)] == [WORLD * (16 + 2)] * 2 + [WORLD * (16 + 2 + 2 + 2)]
+
+
+def test_bucket_reduces_each_block_where_its_last_gradient_was(drawing):
+    """Reduce-scatters per block (the norm joins the block after it in backward order),
+    issued where the bucket's last member was; backward re-gathers are bucketed alike.
+
+    before:  ag(norm.w) wait(norm.w) ag(norm.b) wait(norm.b) ln_bw rs(norm.b) wait(norm.b)
+             rs(norm.w) wait(norm.w) ag(2.w) wait(2.w) mm mm rs(2.b) wait(2.b) rs(2.w) wait(2.w)
+             ag(1.w) wait(1.w) mm mm rs(1.b) wait(1.b) rs(1.w) wait(1.w) mm rs(0.b) wait(0.b) rs(0.w) wait(0.w)
+    after:   ag(norm.w+norm.b+2.w) wait(norm.w+norm.b+2.w) ln_bw mm mm
+             rs(norm.b+norm.w+2.b+2.w) wait(norm.b+norm.w+2.b+2.w)
+             ag(1.w) wait(1.w) mm mm rs(1.b+1.w) wait(1.b+1.w) mm rs(0.b+0.w) wait(0.b+0.w)
+    """
+    backward = stage(Stack, "backward")
+    assert events(backward) == drawing("before")
+    bucket_collectives(backward)
+    assert events(backward) == drawing("after")
+
+
+def test_bucket_size_cap_splits_a_bucket(drawing):
+    """A cap of 288 bytes fits a whole block (weight 256 + bias 32) but not the norm on top.
+
+    after:   ag(0.w+0.b) wait(0.w+0.b) mm ag(1.w+1.b) wait(1.w+1.b) mm
+             ag(2.w+2.b) wait(2.w+2.b) mm ag(norm.w+norm.b) wait(norm.w+norm.b) ln
+    """
+    assert events(bucket_collectives(stage(Stack, "forward"), bucket_mb=288 / 2**20)) == drawing("after")
+
+
+# schedule_overlap (bucketed forward / backward) ---------------------------------------------
+
+
+def _matmuls_take_one(node: fx.Node) -> float:
+    """Compute time: 1 per matmul, nothing else; collective times are in the same unit."""
+    return 1.0 if label(node) == "mm" else 0.0
+
+
+def _bucketed(name: str) -> fx.GraphModule:
+    """The input schedule_overlap gets in the backend: a partitioned graph after bucketing."""
+    return bucket_collectives(stage(Stack, name))
+
+
+@pytest.mark.parametrize("gather_time, max_prefetch, expected", [
+    (0.5, 2, "1 ahead"),  # one block's matmul covers a gather
+    (1.5, 2, "2 ahead"),  # two blocks' are needed
+    (1.5, 1, "1 ahead"),  # ... but max_prefetch allows one
+])
+def test_schedule_prefetches_gathers_as_far_as_their_time_needs(gather_time, max_prefetch, expected, drawing):
+    """Each gather is issued the fewest blocks ahead whose matmuls cover its time (at most
+    max_prefetch) and waited right before its first use.
+
+    before:   ag(0.w+0.b) wait(0.w+0.b) mm ag(1.w+1.b) wait(1.w+1.b) mm
+              ag(2.w+2.b+norm.w+norm.b) wait(2.w+2.b+norm.w+norm.b) mm ln
+    1 ahead:  ag(0.w+0.b) ag(1.w+1.b) wait(0.w+0.b) mm
+              ag(2.w+2.b+norm.w+norm.b) wait(1.w+1.b) mm wait(2.w+2.b+norm.w+norm.b) mm ln
+    2 ahead:  ag(0.w+0.b) ag(1.w+1.b) ag(2.w+2.b+norm.w+norm.b)
+              wait(0.w+0.b) mm wait(1.w+1.b) mm wait(2.w+2.b+norm.w+norm.b) mm ln
+    """
+    forward = _bucketed("forward")
+    assert events(forward) == drawing("before")
+    schedule_overlap(forward, _matmuls_take_one, lambda n: gather_time, max_prefetch=max_prefetch)
+    assert events(forward) == drawing(expected)
+
+
+def _gathered_bytes(gather: fx.Node) -> int:
+    """What a gather bucket keeps alive: its flat result and the per-parameter copies of it."""
+    return 2 * gather.meta["val"].numel() * gather.meta["val"].element_size()
+
+
+def test_schedule_prefetches_less_to_stay_within_the_memory_bound(drawing):
+    """On the bucketed forward drawn above: gathers want 2 blocks ahead (time 1.5), but the
+    bound holds only blocks 1 and 2 at once, so the last gather is issued once block 0's
+    parameters are dead, 1 block ahead. A bound below the largest bucket is an error.
+
+    after:  ag(0.w+0.b) ag(1.w+1.b) wait(0.w+0.b) mm
+            ag(2.w+2.b+norm.w+norm.b) wait(1.w+1.b) mm wait(2.w+2.b+norm.w+norm.b) mm ln
+    """
+    forward = _bucketed("forward")
+    _, second, third = _gathers(forward)
+    bound = _gathered_bytes(second) + _gathered_bytes(third)
+    schedule_overlap(forward, _matmuls_take_one, lambda n: 1.5, max_inflight_bytes=bound)
+    assert events(forward) == drawing("after")
+    with pytest.raises(ValueError, match="max_inflight_mb=.* is below the"):  # not even gathering at use fits
+        schedule_overlap(_bucketed("forward"), _matmuls_take_one, lambda n: 1.5, max_inflight_bytes=_gathered_bytes(third) - 1)
+
+
+@pytest.mark.parametrize("in_flight", [1, 2])
+def test_schedule_issues_reductions_early_and_waits_buckets_later(in_flight, drawing):
+    """A reduce-scatter is issued right after its last gradient and waited right before the
+    one in_flight buckets later is issued (or at the end); re-gathers are prefetched.
+
+    before:  ag(norm.w+norm.b+2.w) wait(norm.w+norm.b+2.w) ln_bw mm mm
+             rs(norm.b+norm.w+2.b+2.w) wait(norm.b+norm.w+2.b+2.w)
+             ag(1.w) wait(1.w) mm mm rs(1.b+1.w) wait(1.b+1.w) mm rs(0.b+0.w) wait(0.b+0.w)
+    1:       ag(norm.w+norm.b+2.w) ag(1.w) wait(norm.w+norm.b+2.w) ln_bw mm mm
+             rs(norm.b+norm.w+2.b+2.w) wait(1.w) mm mm wait(norm.b+norm.w+2.b+2.w)
+             rs(1.b+1.w) mm wait(1.b+1.w) rs(0.b+0.w) wait(0.b+0.w)
+    2:       ag(norm.w+norm.b+2.w) ag(1.w) wait(norm.w+norm.b+2.w) ln_bw mm mm
+             rs(norm.b+norm.w+2.b+2.w) wait(1.w) mm mm rs(1.b+1.w) mm
+             wait(norm.b+norm.w+2.b+2.w) rs(0.b+0.w) wait(1.b+1.w) wait(0.b+0.w)
+    """
+    backward = _bucketed("backward")
+    assert events(backward) == drawing("before")
+    schedule_overlap(backward, _matmuls_take_one, lambda n: 0.5, max_reduces_in_flight=in_flight)
+    assert events(backward) == drawing(str(in_flight))
+
+
+# keep_last_bucket_gathered (lowered joint graph) --------------------------------------------
+
+
+def _tags(joint: fx.GraphModule) -> dict[str, Any]:
+    return {n.name: n.meta.get("recompute") for n in joint.graph.nodes}
+
+
+def test_reshard_keeps_the_last_bucket_gathered_for_backward(drawing):
+    """The forward's last bucket (block 2 and the norm) is the backward's first: saved, not
+    gathered again (/R: recomputed in backward, /S: saved).
+
+    before:  ag(0.w)/R ag(0.b)/R ag(1.w)/R ag(1.b)/R ag(2.w)/R ag(2.b)/R ag(norm.w)/R ag(norm.b)/R
+    after:   ag(0.w)/R ag(0.b)/R ag(1.w)/R ag(1.b)/R ag(2.w)/S ag(2.b)/S ag(norm.w)/S ag(norm.b)/S
+    """
+    joint = stage(Stack, "lowered")
+    assert _policies(joint) == drawing("before")
+    before = _tags(joint)
+    last = {recompute_region(g) for g in _gathers(joint)[4:]}
+    keep_last_bucket_gathered(joint)
+    assert _policies(joint) == drawing("after")
+    # The whole gather chain (pads, waits, slices, views) of the last bucket is saved; no other tag moves.
+    changed = {name for name, tag in _tags(joint).items() if tag != before[name]}
+    assert changed == {n.name for n in joint.graph.nodes if n.meta.get("ac_graph_id") in last} and len(changed) > 4
+
+
+def test_reshard_keeps_nothing_when_two_last_buckets_exceed_the_bound(drawing):
+    """The last bucket (352 bytes gathered) and the next one, prefetched beside it, must fit
+    the bound: 2 x 352 bytes.
+
+    703 bytes:  ag(0.w)/R ag(0.b)/R ag(1.w)/R ag(1.b)/R ag(2.w)/R ag(2.b)/R ag(norm.w)/R ag(norm.b)/R
+    704 bytes:  ag(0.w)/R ag(0.b)/R ag(1.w)/R ag(1.b)/R ag(2.w)/S ag(2.b)/S ag(norm.w)/S ag(norm.b)/S
+    """
+    for bound in (703, 704):
+        joint = keep_last_bucket_gathered(stage(Stack, "lowered"), max_inflight_bytes=bound)
+        assert _policies(joint) == drawing(f"{bound} bytes")
