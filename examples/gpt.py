@@ -60,6 +60,15 @@ class GPT(nn.Module):
         self.head.weight = self.wte.weight  # tied
         self.apply(self._init_weights)
 
+    def init_weights(self) -> None:
+        """The constructor's init again (each submodule's reset_parameters, in construction
+        order, then GPT-2's): for a model built on the meta device, this draws the same values
+        as building it, from the same seed."""
+        for module in self.modules():
+            if callable(getattr(module, "reset_parameters", None)):
+                module.reset_parameters()
+        self.apply(self._init_weights)
+
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
         # Small weights (GPT-2's 0.02) keep the first logits near uniform.
