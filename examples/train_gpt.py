@@ -6,6 +6,7 @@
     python examples/train_gpt.py --world-size 4 --steps 20 --resume ckpt   # go on from step 10 on 4 ranks
     python examples/train_gpt.py --world-size 4 --strategy hybrid --replicas 2   # HSDP on a 2x2 mesh
     python examples/train_gpt.py --precision bf16 --grad-accum 2 --clip 1.0     # bf16 compute, 2 micro-batches
+    python examples/train_gpt.py --meta-init     # build on the meta device, initialise only each rank's shards
 
 Each rank trains on its own slice of every batch and (strategy "full", the default) stores
 1/world of the parameters, gradients and optimizer state; the loss printed is the average
@@ -56,7 +57,11 @@ def train(args: argparse.Namespace) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     torch.manual_seed(0)
-    model = build_model(args.n_layer, args.n_embd).to(device)
+    if args.meta_init:  # big-model init: no rank ever holds the whole model
+        with torch.device("meta"):
+            model = build_model(args.n_layer, args.n_embd)
+    else:
+        model = build_model(args.n_layer, args.n_embd).to(device)
     full_bytes = sum(p.nbytes for p in model.parameters())
     mesh = None
     if args.strategy == "hybrid":  # sharded within groups of world / replicas ranks, replicated across
@@ -65,6 +70,8 @@ def train(args: argparse.Namespace) -> None:
         mesh = init_device_mesh(device.type, (args.replicas, world // args.replicas))
     precision = autoshard.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.precision == "bf16" else None
     autoshard.shard(model, mesh, strategy=args.strategy, mixed_precision=precision)
+    if args.meta_init:  # allocate this rank's shards and run the model's own init on them
+        autoshard.materialize(model, device, init=lambda m: m.init_weights())
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)  # after shard: it sees the shards
     compiled = model if args.compiler == "none" else torch.compile(model, backend="autoshard", options={"compiler": args.compiler})
 
@@ -129,6 +136,9 @@ def main() -> None:
                         "optimizer state in float32")
     parser.add_argument("--grad-accum", type=int, default=1, metavar="N", help="micro-batches per step (gradient accumulation)")
     parser.add_argument("--clip", type=float, default=0.0, metavar="NORM", help="clip gradients to this global norm")
+    parser.add_argument("--meta-init", action="store_true",
+                        help="build the model on the meta device and initialise only each rank's shards "
+                        "(the same values as the default, from the same seed)")
     parser.add_argument("--save", metavar="DIR", help="save a checkpoint (model + optimizer) to DIR after the last step")
     parser.add_argument("--save-every", type=int, default=0, metavar="N", help="with --save: also every N steps")
     parser.add_argument("--resume", metavar="DIR", help="load the checkpoint in DIR and go on from its step")
