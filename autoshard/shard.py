@@ -268,6 +268,12 @@ def shard(
     Build the optimizer after calling ``shard`` (as with FSDP2): it must see the sharded
     parameters. Parameters shared by several modules (tied weights) are sharded once.
     Nothing is changed when an argument is refused.
+
+    Each rank cuts its shards from its own copy, as ``fully_shard`` does: every rank must hold
+    the same values (same seed), or build on the meta device and call
+    :func:`autoshard.materialize` afterwards. Before anything changes, one all-gather of a hash
+    checks that every rank shards the same structure (names, shapes, dtypes, strategy, mesh);
+    if not, every rank raises the same ``ValueError`` naming the first difference.
     """
     _check(module, mesh, strategy, reshard_after_forward, mixed_precision)
     if not dist.is_initialized():
