@@ -94,11 +94,12 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float | None =
         def failures() -> list[int]:
             return [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
 
-        while not failures() and any(p.is_alive() for p in procs):
+        while not failures():
+            running = [p.sentinel for p in procs if p.is_alive()]
             left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
+            if not running or left is not None and left <= 0:
                 break
-            wait([p.sentinel for p in procs if p.is_alive()], left)
+            wait(running, left)  # until a rank exits (or the deadline)
         failed = failures()
         alive = [r for r, p in enumerate(procs) if p.is_alive()]
         if alive and not failed:  # a hang: ask for every thread's stack before killing
