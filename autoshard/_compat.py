@@ -10,6 +10,7 @@ import contextlib
 import functools
 import inspect
 import operator
+import sys
 from typing import Any, Callable, Iterator
 from unittest import mock
 
@@ -26,6 +27,7 @@ import torch.utils._runtime_estimation as runtime_estimation
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.fx_passes.memory_estimator import MemoryTracker
 from torch._inductor.utils import run_and_get_code
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 from torch.distributed.distributed_c10d import _get_default_store as default_store
 from torch.distributed.distributed_c10d import _resolve_process_group as resolve_process_group
@@ -138,12 +140,41 @@ def must_save(node: torch.fx.Node) -> None:
     node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
 
 
+_DEVICE_MESH_MODULE = "torch.distributed.device_mesh"
+
+
+def _called_from_device_mesh() -> bool:
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_globals.get("__name__") == _DEVICE_MESH_MODULE:
+            return True
+        frame = frame.f_back
+    return False
+
+
+class _FakeTensorModeRealMeshes(FakeTensorMode):
+    """A FakeTensorMode under which DeviceMesh code computes on real tensors.
+
+    Building a DeviceMesh (``init_device_mesh``, submeshes) makes its rank map with tensor
+    ops and then reads the values (``tolist``), which a fake tensor lacks: under a plain fake
+    mode that raises DataDependentOutputException. A rank map is a few ints of metadata,
+    never a model tensor, so ops run on behalf of ``torch.distributed.device_mesh`` on no fake
+    input are run for real; everything else stays fake.
+    """
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        # The fake check first: the frame walk is only paid by ops on real inputs (factories).
+        if not any(isinstance(t, FakeTensor) for t in tree_leaves((args, kwargs))) and _called_from_device_mesh():
+            return func(*args, **kwargs)  # this mode is unset while it dispatches: the real kernel
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
 def fake_tensor_mode() -> Any:
     """A FakeTensorMode: tensors created inside carry shapes, dtypes and devices but no
-    memory, and ops on them only compute output metadata."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    return FakeTensorMode(allow_non_fake_inputs=True)
+    memory, and ops on them only compute output metadata. DeviceMeshes built inside (a
+    factory's ``init_device_mesh``, ``autoshard.shard``'s default mesh) hold real rank maps."""
+    return _FakeTensorModeRealMeshes(allow_non_fake_inputs=True)
 
 
 def fake_process_group(rank: int, world_size: int) -> None:

@@ -40,7 +40,8 @@ def explain(model_or_factory: ModelOrFactory, *example_args: Any, world_size: in
         model_or_factory: a callable returning the model (called inside the fake mode, so its
             weights take no memory: pass a factory for big models), or a small module, which
             is deep-copied first and left unchanged. The factory may shard the model itself
-            (``autoshard.shard(model)`` sees the fake world); otherwise explain shards it.
+            (``autoshard.shard(model)`` sees the fake world), with any strategy and a mesh it
+            builds with ``init_device_mesh``; otherwise explain shards it (strategy "full").
         example_args: the model's inputs; tensors count by shape, dtype and device only
             (fake zeros of the same take their place), other values are passed as they are.
         world_size: ranks of the simulated world.

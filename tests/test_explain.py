@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import autoshard
@@ -157,3 +158,55 @@ def test_the_console_command_exits_nonzero_on_a_bad_factory():
     assert proc.returncode != 0 and proc.stdout == ""
     assert proc.stderr.strip() == "autoshard explain: cannot load nope from examples/train_gpt.py: AttributeError: " \
         "module '_autoshard_explain_train_gpt' has no attribute 'nope'"
+
+
+def _sharding_factory(strategy: str | None, mesh_shape: tuple[int, ...] | None = None):
+    """A factory that shards the tiny GPT itself, building any mesh inside explain's fake mode."""
+    def make():
+        model = build("gpt")
+        if strategy is None:
+            return autoshard.shard(model)  # the default mesh
+        mesh = init_device_mesh("cpu", mesh_shape) if mesh_shape else None
+        return autoshard.shard(model, mesh, strategy=strategy)
+
+    return make
+
+
+def _gather_sizes(report: Report) -> set[int]:
+    """The group sizes of the all-gathers in the compiled forward and backward."""
+    return {n.args[1] for stage in ("forward", "backward") for n in report.stages[stage].graph.nodes
+            if n.op == "call_function" and "all_gather_into_tensor" in str(n.target)}
+
+
+def _kinds(report: Report, stage: str) -> set[str]:
+    return {e.kind for e in report.collectives() if e.stage == stage}
+
+
+TOKENS = torch.zeros(1, 16, dtype=torch.long)
+
+
+@pytest.mark.parametrize("strategy, mesh_shape, world", [
+    (None, None, 64), ("full", None, 8), ("grad_op", None, 8), ("replicate", None, 8), ("hybrid", (2, 4), 8),
+])
+def test_explain_a_factory_that_shards_with_each_strategy(strategy, mesh_shape, world):
+    report = autoshard.explain(_sharding_factory(strategy, mesh_shape), TOKENS, TOKENS, world_size=world)
+    m = report.metrics
+    full_bytes = 4 * m["parameters"]  # float32; every dim 0 of this GPT divides 4 and 8
+    if strategy in (None, "full"):  # ZeRO-3: gathered again in backward, gradients reduce-scattered
+        assert _kinds(report, "forward") == {"all_gather"} and _kinds(report, "backward") == {"all_gather", "reduce_scatter"}
+        assert _gather_sizes(report) == {world}
+        if world == 8:
+            assert m["shard_bytes"] == full_bytes // 8
+    elif strategy == "grad_op":  # ZeRO-2: kept gathered from forward to backward
+        assert _kinds(report, "forward") == {"all_gather"} and _kinds(report, "backward") == {"reduce_scatter"}
+        assert m["shard_bytes"] == full_bytes // 8
+    elif strategy == "replicate":  # DDP: nothing gathered, gradients all-reduced
+        assert _kinds(report, "forward") == set() and _kinds(report, "backward") == {"all_reduce"}
+        assert m["shard_bytes"] == full_bytes
+    else:  # HSDP: gathered within a row of 4, the shards' gradients then all-reduced across the 2 rows
+        assert _kinds(report, "backward") == {"all_gather", "reduce_scatter", "all_reduce"}
+        assert _gather_sizes(report) == {4} and m["shard_bytes"] == full_bytes // 4
+        all_reduces = [e for e in report.collectives() if e.kind == "all_reduce"]
+        assert sum(e.nbytes for e in all_reduces) == m["shard_bytes"]
+        assert {e.lane for e in all_reduces}.isdisjoint(e.lane for e in report.collectives() if e.kind != "all_reduce")
+    assert not dist.is_initialized()
