@@ -12,4 +12,7 @@ from .mixed_precision import MixedPrecision
 from .report import Report
 from .shard import shard
 
-__all__ = ["MixedPrecision", "Report", "autoshard_backend", "checkpoint", "explain", "explain_graphs", "full_state_dict", "load", "materialize", "ops", "save", "shard", "shards_in_place"]
+__all__ = [
+    "MixedPrecision", "Report", "autoshard_backend", "checkpoint", "explain", "explain_graphs", "full_state_dict", "load",
+    "materialize", "ops", "save", "shard", "shards_in_place",
+]

@@ -11,12 +11,12 @@ import sys
 import tempfile
 import time
 import traceback
+from multiprocessing.connection import wait
 from typing import Any, Callable, NoReturn
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from multiprocessing.connection import wait
 
 
 def exit_without_finalization(code: int = 0) -> NoReturn:

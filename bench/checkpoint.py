@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import autoshard  # noqa: E402
 from autoshard.checkpoint import full_state_dict, load, save  # noqa: E402
 from autoshard.launch import run_ranks  # noqa: E402
+
 from train_gpt import build_model  # noqa: E402
 
 

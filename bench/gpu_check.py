@@ -72,6 +72,7 @@ import autoshard  # noqa: E402
 from autoshard._compat import dynamo_counters, fake_process_group, run_and_get_code  # noqa: E402
 from autoshard.dump import recording  # noqa: E402
 from autoshard.report import Report  # noqa: E402
+
 from gpt import GPT, GPTConfig  # noqa: E402
 
 SYSTEMS = ("unsharded", "autoshard")

@@ -23,14 +23,15 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 from tabulate import tabulate
+from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import autoshard  # noqa: E402
 from autoshard._compat import fake_process_group, fake_tensor_mode  # noqa: E402
 from autoshard.analysis import analyze  # noqa: E402
 from autoshard.dump import recording  # noqa: E402
+
 from gpt import GPT, GPTConfig  # noqa: E402
 
 SCHEDULES = ("none", "fsdp2", "inductor", "autoshard")

@@ -34,12 +34,13 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import autoshard  # noqa: E402
-from autoshard._compat import dynamo_counters as counters  # noqa: E402
 from autoshard import calibrate  # noqa: E402
+from autoshard._compat import dynamo_counters as counters  # noqa: E402
 from autoshard.analysis import analyze  # noqa: E402
 from autoshard.cost_model import DeviceProfile, get_profile  # noqa: E402
 from autoshard.dump import recording  # noqa: E402
 from autoshard.launch import run_ranks  # noqa: E402
+
 from gpt import GPT, GPTConfig  # noqa: E402
 
 SYSTEMS = ("ddp", "fsdp2", "fsdp2_compile", "autoshard_none", "autoshard")
@@ -277,7 +278,9 @@ def rows_of(world: int, per_rank: list[dict], systems: list[str]) -> list[dict]:
     return rows
 
 
-TABLE = ("world", "system", "step_ms", "fwd_bwd_ms", "step_vs_ddp", "peak_mib", "peak_vs_ddp", "predicted_ms", "pred_error", "pred_error_in_run")
+TABLE = (
+    "world", "system", "step_ms", "fwd_bwd_ms", "step_vs_ddp", "peak_mib", "peak_vs_ddp", "predicted_ms", "pred_error", "pred_error_in_run",
+)
 
 
 def main() -> None:

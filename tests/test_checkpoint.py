@@ -18,6 +18,7 @@ import autoshard
 import autoshard.checkpoint as ckpt
 from autoshard.checkpoint import full_state_dict, load, save
 from autoshard.launch import run_ranks
+
 from gpt import GPT, GPTConfig
 from models import GLOBAL_BATCH, batch, build
 

@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 import autoshard
 import autoshard.backend as backend
+
 from models import batch, build
 
 FAST = 30.0  # seconds: far below any collective timeout (gloo's default: 30 minutes)

@@ -12,6 +12,7 @@ from torch import nn
 
 import autoshard
 from autoshard.launch import run_ranks
+
 from gpt import GPT, GPTConfig
 from models import build
 from trainer import train_pair

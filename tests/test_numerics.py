@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 import autoshard
 from autoshard.launch import run_ranks
+
 from models import batch, build
 from trainer import OPTIMIZERS, train_pair
 
