@@ -12,13 +12,9 @@ from dataclasses import dataclass, field
 
 from torch import fx
 
-from autoshard.passes.graph_utils import GATHERED, PARAMS
+from autoshard.passes.graph_utils import COLLECTIVE_KINDS, GATHERED, PARAMS, collective_kind, is_view, is_wait, tensor_bytes
 
-from ._compat import c10d
-from .cost_model import COLLECTIVE_KINDS, DeviceProfile, collective_of, collective_time, get_profile, is_alias, node_time, tensor_bytes
-
-_wait = c10d.wait_tensor.default
-_all_gathers = (c10d.all_gather_into_tensor.default, c10d.all_gather_into_tensor_coalesced.default)
+from .cost_model import DeviceProfile, collective_of, collective_time, get_profile, node_time
 
 
 @dataclass(frozen=True)
@@ -122,7 +118,7 @@ def _simulate(order: list[tuple[str, fx.Node]], sources: dict[fx.Node, fx.Node],
             comm_bytes[kind] += nbytes
             params = tuple(node.meta.get(PARAMS, ()))
             timeline.append(Event(f"comm:{group}", node.name, start, start + duration, stage, kind, nbytes, params))
-        elif node.op == "call_function" and node.target is _wait:
+        elif is_wait(node):
             clock = max(clock, ends.get(_issuer(node.args[0], sources), 0.0))
         elif duration := node_time(node, profile):
             timeline.append(Event("compute", node.name, clock, clock + duration, stage))
@@ -198,15 +194,15 @@ def _memory(order: list[tuple[str, fx.Node]], sources: dict[fx.Node, fx.Node], h
             storages[node] = storages[sources[node]]
         elif node.op == "call_function" and node.target is operator.getitem and len(base_storages) > node.args[1]:
             storages[node] = [base_storages[node.args[1]]]
-        elif node.op == "call_function" and (is_alias(node) or node.target is _wait) and base_storages:
+        elif (is_view(node, hidden=True) or is_wait(node)) and base_storages:
             storages[node] = [base_storages[0]] * len(_element_values(node))
         elif node.op != "output":
             storages[node] = allocate(node, pos)
-        if node.op == "call_function" and (node.target in _all_gathers or node.meta.get(GATHERED)):
+        if node.op == "call_function" and (collective_kind(node) == "all_gather" or node.meta.get(GATHERED)):
             for s in storages[node]:
                 gathered[s] = True
         use(node.all_input_nodes, pos)
-        if node.target is _wait:
+        if is_wait(node):
             # The comm stream reads the collective's inputs until it ends, i.e. until the wait.
             use(_issuer(node.args[0], sources).all_input_nodes, pos)
 

@@ -15,16 +15,6 @@ import torch.distributed as dist
 from torch import fx
 from torch.distributed.tensor import DTensor
 
-from autoshard.passes import (
-    bucket_collectives,
-    inductor_schedule,
-    keep_last_bucket_gathered,
-    lower_annotations,
-    merge_shared_parameters,
-    schedule_overlap,
-)
-from autoshard.passes.graph_utils import is_copy
-
 from ._compat import (
     aot_autograd,
     compile_fx,
@@ -34,9 +24,9 @@ from ._compat import (
     make_boxed_func,
     min_cut_rematerialization_partition,
     register_backend,
-    save_random_ops_in_checkpoints,
 )
-from .consistency import check_ranks_agree, fails_together
+from . import pipeline
+from .consistency import fails_together
 from .cost_model import DeviceProfile, estimators, get_profile
 from .dump import GraphDump
 from .options import Options, parse_options
@@ -73,29 +63,13 @@ def _profile(gm: fx.GraphModule, opts: Options) -> DeviceProfile:
     return get_profile("h100" if on_cuda else "cpu")
 
 
-def _mib(value: float | None) -> int | None:
-    return None if value is None else int(value * 2**20)
-
-
 @fails_together
-def _finish(gm: fx.GraphModule, stage: str, dump: GraphDump, opts: Options, inference: bool = False) -> fx.GraphModule:
-    """Lower (a graph compiled without autograd never went through the joint pass), bucket
-    and schedule one partitioned graph, check all ranks agree on it, and dump it (with the
-    report once the graph's last stage is done)."""
-    lower_annotations(gm)
+def _finish(gm: fx.GraphModule, side: str, dump: GraphDump, opts: Options, inference: bool = False) -> fx.GraphModule:
+    """Run the partitioned pipeline (:data:`autoshard.pipeline.PARTITIONED`) on one forward or
+    backward graph, writing its stages (and the report once the graph's last stage is done)."""
     compute_time, comm_time = estimators(_profile(gm, opts))
-    if opts.schedule in ("autoshard", "fsdp2"):
-        bucket_collectives(gm, opts.bucket_mb)
-        dump.write(f"{stage}_bucketed", gm)
-        fsdp2 = dict(max_prefetch=1, max_reduces_in_flight=1) if opts.schedule == "fsdp2" else {}
-        schedule_overlap(gm, compute_time, comm_time, _mib(opts.max_inflight_mb), **fsdp2)
-    elif opts.schedule == "inductor":
-        # Shards are padded only on ranks whose shard is short: pricing those pads would let
-        # PyTorch's scheduler decide differently per rank. Data movement is priced at zero.
-        inductor_schedule(gm, lambda n: 0.0 if is_copy(n) else compute_time(n), comm_time)
-    check_ranks_agree(gm, stage)
-    dump.write(stage, gm)
-    if stage == "backward" or inference:
+    pipeline.run(pipeline.PARTITIONED, gm, pipeline.Context(opts, side, compute_time, comm_time), dump.write)
+    if side == "backward" or inference:
         dump.write_report(_profile(gm, opts))
     return gm
 
@@ -105,29 +79,22 @@ def autoshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options
     opts: Options = parse_options(options)
     _warn_if_unsharded(example_inputs)
     dump = GraphDump(opts.debug_dir)
-    dump.write("captured", gm)
+    pipeline.run(pipeline.CAPTURED, gm, pipeline.Context(opts, "captured"), dump.write)
     if opts.compiler == "eager":
         return gm.forward
 
     @fails_together
     def joint_pass(joint: fx.GraphModule, joint_inputs: Any) -> fx.GraphModule:
-        dump.write("joint", joint)
-        save_random_ops_in_checkpoints(joint)  # a torch 2.13 bug, see there
-        merge_shared_parameters(joint)
-        lower_annotations(joint, opts.reshard_after_forward)
-        if opts.schedule in ("autoshard", "fsdp2"):  # FSDP2 keeps its root unit gathered too
-            keep_last_bucket_gathered(joint, opts.bucket_mb, _mib(opts.max_inflight_mb))
-        dump.write("lowered", joint)
-        return joint
+        return pipeline.run(pipeline.JOINT, joint, pipeline.Context(opts, "joint"), dump.write)
 
     # The AOT autograd cache would skip joint_pass (and the dumps) on a hit.
     with functorch_config.patch(joint_custom_pass=joint_pass, enable_autograd_cache=False):
         if opts.compiler == "inductor":
 
             def inner_compile(g: fx.GraphModule, inputs: Sequence[Any], **kwargs: Any) -> Any:
-                stage = "backward" if kwargs.get("is_backward") else "forward"
-                g = _finish(g, stage, dump, opts, kwargs.get("is_inference", False))
-                if opts.schedule == "none":
+                side = "backward" if kwargs.get("is_backward") else "forward"
+                g = _finish(g, side, dump, opts, kwargs.get("is_inference", False))
+                if not pipeline.keeps_order(opts.schedule):
                     return compile_fx_inner(g, inputs, **kwargs)
                 # Inductor must keep the order the schedule chose.
                 with inductor_config.patch(KEEP_ORDER):
@@ -135,8 +102,8 @@ def autoshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options
 
             return compile_fx(gm, example_inputs, inner_compile=inner_compile)
 
-        def compiler(stage: str, inference: bool = False) -> Callable:
-            return lambda g, _inputs: make_boxed_func(_finish(g, stage, dump, opts, inference).forward)
+        def compiler(side: str, inference: bool = False) -> Callable:
+            return lambda g, _inputs: make_boxed_func(_finish(g, side, dump, opts, inference).forward)
 
         # No decompositions: aot_eager runs the same ATen kernels as eager, bit for bit.
         return aot_autograd(

@@ -18,7 +18,9 @@ import torch
 import torch.distributed as dist
 from torch import fx
 
-from ._compat import c10d, default_store, resolve_process_group
+from autoshard.passes.graph_utils import collective_kind, group_ranks, is_wait, tensors, val
+
+from ._compat import default_store
 from .fail_together import first_failure, multi_rank
 
 # Every rank numbers its exchanges alike: they follow the order in which graphs are compiled.
@@ -64,22 +66,16 @@ def _wait_for_plans(keys: list[str], what: str) -> None:
         time.sleep(pause)
         pause = min(2 * pause, 0.5)
 
-_COLLECTIVES = {
-    c10d.all_gather_into_tensor.default,
-    c10d.all_gather_into_tensor_out.default,  # PyTorch's bucketer (schedule "inductor")
-    c10d.reduce_scatter_tensor.default,
-    c10d.all_reduce.default,
-}
 
 
 def _group_shape(group_name: str) -> object:
     """A group as every rank of a mesh dimension sees it alike: its ranks relative to the
     lowest. Ranks in different rows of a 2-D mesh use different groups (and DeviceMesh names
     them differently on each), but groups of the same dimension have the same shape."""
-    try:
-        ranks = sorted(dist.get_process_group_ranks(resolve_process_group(group_name)))
-    except (RuntimeError, ValueError):  # a group this process does not know: keep the name
+    ranks = group_ranks(group_name)
+    if ranks is None:  # a group this process does not know: keep the name
         return group_name
+    ranks = sorted(ranks)
     return tuple(r - ranks[0] for r in ranks)
 
 
@@ -91,13 +87,13 @@ def plan_signature(gm: fx.GraphModule) -> str:
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
-        if node.target in _COLLECTIVES:
+        if collective_kind(node) is not None:
             index[node] = len(index)
-            t = node.args[0].meta["val"]
-            *args, group = node.args[1:]  # every collective here takes its group name last
+            moved = [(tuple(t.shape), str(t.dtype)) for t in tensors(fx.node.map_aggregate(node.args[0], val))]
+            *args, group = node.args[1:]  # every collective takes its group name last
             args.append(_group_shape(group))
-            events.append((str(node.target), tuple(t.shape), str(t.dtype), tuple(args), node.meta.get("autoshard_params")))
-        elif node.target is c10d.wait_tensor.default and node.args[0] in index:
+            events.append((str(node.target), tuple(moved), tuple(args), node.meta.get("autoshard_params")))
+        elif is_wait(node) and node.args[0] in index:
             events.append(("wait", index[node.args[0]]))
     return hashlib.sha256(repr(events).encode()).hexdigest()[:16]
 

@@ -16,11 +16,11 @@ import torch.distributed as dist
 from torch import fx
 from torch.utils.flop_counter import flop_registry
 
-from ._compat import c10d, optimization_hint, resolve_process_group
+from autoshard.passes.graph_utils import COLLECTIVE_KINDS, arg, collective_kind, group_ranks, is_view, is_wait, tensor_bytes, tensors
+
+from ._compat import optimization_hint
 
 aten = torch.ops.aten
-
-COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 
 
 @dataclass(frozen=True)
@@ -84,35 +84,32 @@ def uniform_link(name: str, latency: float, bandwidth: float) -> Link:
     return Link(name, dict.fromkeys(COLLECTIVE_KINDS, latency), dict.fromkeys(COLLECTIVE_KINDS, bandwidth))
 
 
+def _dgx(name: str, bf16: float, tf32: float, hbm: float, nvlink: Link, infiniband: Link, source: str) -> DeviceProfile:
+    """A GPU of an 8-GPU DGX node: dense tensor-core peaks (no sparsity; TF32 for float32,
+    which training enables for matmuls), ~5 us per kernel launch and scheduling gap."""
+    return DeviceProfile(
+        name=name, peak_flops={"bfloat16": bf16, "float16": bf16, "float32": tf32}, mem_bandwidth=hbm,
+        launch_overhead=5e-6, ranks_per_node=8, intra=nvlink, inter=infiniband,
+        source=f"{source}; nccl-tests PERFORMANCE.md (busbw)",
+    )
+
+
 PROFILES: dict[str, DeviceProfile] = {
-    "h100": DeviceProfile(
-        name="h100",
-        # Dense tensor-core peaks (no sparsity), NVIDIA H100 SXM5 datasheet: BF16/FP16 989 TFLOP/s,
-        # TF32 495 TFLOP/s, used for float32 because training enables TF32 matmuls.
-        peak_flops={"bfloat16": 989e12, "float16": 989e12, "float32": 495e12},
-        mem_bandwidth=3.35e12,  # HBM3, same datasheet
-        launch_overhead=5e-6,  # typical CUDA kernel launch plus scheduling gap
-        ranks_per_node=8,  # DGX/HGX H100: 8 GPUs on NVSwitch
-        # NVLink 4: 900 GB/s bidirectional per GPU = 450 GB/s per direction; nccl-tests reach
-        # about 80% of it as bus bandwidth for all-gather and reduce-scatter.
-        intra=uniform_link("nvlink4", latency=2e-6, bandwidth=360e9),
-        # DGX H100: one 400 Gb/s ConnectX-7 InfiniBand NIC per GPU = 50 GB/s; ~90% reached.
-        inter=uniform_link("infiniband-ndr", latency=5e-6, bandwidth=45e9),
-        source="NVIDIA H100 SXM5 datasheet; NVIDIA DGX H100 user guide; nccl-tests PERFORMANCE.md (busbw)",
-    ),
-    "a100": DeviceProfile(
-        name="a100",
-        # NVIDIA A100 SXM4 datasheet: BF16/FP16 312 TFLOP/s dense, TF32 156 TFLOP/s.
-        peak_flops={"bfloat16": 312e12, "float16": 312e12, "float32": 156e12},
-        mem_bandwidth=2.039e12,  # 80 GB HBM2e
-        launch_overhead=5e-6,
-        ranks_per_node=8,  # DGX A100
-        # NVLink 3: 600 GB/s bidirectional = 300 GB/s per direction; ~80% as bus bandwidth.
-        intra=uniform_link("nvlink3", latency=2e-6, bandwidth=240e9),
-        # DGX A100: one 200 Gb/s HDR InfiniBand NIC per GPU = 25 GB/s; ~90% reached.
-        inter=uniform_link("infiniband-hdr", latency=5e-6, bandwidth=22.5e9),
-        source="NVIDIA A100 SXM4 datasheet; NVIDIA DGX A100 user guide; nccl-tests PERFORMANCE.md (busbw)",
-    ),
+    # NVIDIA H100 SXM5 datasheet: BF16/FP16 989 TFLOP/s, TF32 495 TFLOP/s, HBM3 3.35 TB/s.
+    # NVLink 4: 900 GB/s bidirectional per GPU = 450 GB/s per direction; nccl-tests reach
+    # about 80% of it as bus bandwidth for all-gather and reduce-scatter. DGX H100: one
+    # 400 Gb/s ConnectX-7 InfiniBand NIC per GPU = 50 GB/s; ~90% reached.
+    "h100": _dgx("h100", 989e12, 495e12, 3.35e12,
+                 uniform_link("nvlink4", latency=2e-6, bandwidth=360e9),
+                 uniform_link("infiniband-ndr", latency=5e-6, bandwidth=45e9),
+                 "NVIDIA H100 SXM5 datasheet; NVIDIA DGX H100 user guide"),
+    # NVIDIA A100 SXM4 datasheet: BF16/FP16 312 TFLOP/s dense, TF32 156 TFLOP/s, 80 GB HBM2e
+    # 2.039 TB/s. NVLink 3: 600 GB/s bidirectional = 300 GB/s per direction; ~80% as bus
+    # bandwidth. DGX A100: one 200 Gb/s HDR InfiniBand NIC per GPU = 25 GB/s; ~90% reached.
+    "a100": _dgx("a100", 312e12, 156e12, 2.039e12,
+                 uniform_link("nvlink3", latency=2e-6, bandwidth=240e9),
+                 uniform_link("infiniband-hdr", latency=5e-6, bandwidth=22.5e9),
+                 "NVIDIA A100 SXM4 datasheet; NVIDIA DGX A100 user guide"),
     # The 2-core development machine, gloo over loopback, 2 ranks of 1 thread each: rounded
     # from `python -m autoshard calibrate --world-sizes 2` on a quiet machine (figures move by
     # up to 2x while other jobs share the cores).
@@ -165,37 +162,6 @@ def _val(arg: Any) -> Any:
     return arg.meta.get("val") if isinstance(arg, fx.Node) else arg
 
 
-def _int(x: Any) -> int:
-    # A symbolic size's hint, without adding guards; unbacked sizes count as 1.
-    return optimization_hint(x, fallback=1) if isinstance(x, torch.SymInt) else int(x)
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    found: list[torch.Tensor] = []
-    fx.node.map_aggregate(value, lambda v: found.append(v) if isinstance(v, torch.Tensor) else None)
-    return found
-
-
-def tensor_bytes(value: Any) -> int:
-    """Bytes of the tensors in ``value`` (a tensor, or nested lists/tuples); others count 0.
-
-    numel x element size: the bytes a kernel reads or writes, whatever the strides.
-    """
-    return sum(_int(t.numel()) * t.element_size() for t in _tensors(value))
-
-
-def is_alias(node: fx.Node) -> bool:
-    """Whether ``node`` only makes a new view of its first input's storage.
-
-    ``_unsafe_view`` is a view whose schema hides the alias (for autograd's sake).
-    """
-    target = node.target
-    return node.op == "call_function" and (getattr(target, "is_view", False) or target is aten._unsafe_view.default)
-
-
-def _is_c10d(node: fx.Node) -> bool:
-    return node.op == "call_function" and getattr(node.target, "namespace", None) == "_c10d_functional"
-
 
 def node_flops(node: fx.Node) -> int:
     """FLOPs of one call, by ``torch.utils.flop_counter``'s formulas on the fake values.
@@ -208,7 +174,9 @@ def node_flops(node: fx.Node) -> int:
     if formula is None:
         return 0
     args, kwargs = fx.node.map_aggregate((node.args, node.kwargs), _val)
-    return _int(formula(*args, **kwargs, out_val=node.meta.get("val")))
+    flops = formula(*args, **kwargs, out_val=node.meta.get("val"))
+    # A symbolic count's hint, without adding guards; unbacked counts as 1.
+    return optimization_hint(flops, fallback=1) if isinstance(flops, torch.SymInt) else int(flops)
 
 
 def _compute_dtype(node: fx.Node) -> torch.dtype:
@@ -229,10 +197,10 @@ def node_time(node: fx.Node, profile: str | DeviceProfile) -> float:
     that is not an ATen-style OpOverload, and every ``_c10d_functional`` op (costed by
     :func:`collective_time` instead).
     """
-    if node.op != "call_function" or not hasattr(node.target, "overloadpacket") or _is_c10d(node):
+    if node.op != "call_function" or not hasattr(node.target, "overloadpacket") or collective_kind(node) or is_wait(node):
         return 0.0  # getitem, builtins, higher-order ops: no ATen call
     profile = get_profile(profile)
-    if is_alias(node) or not _tensors(node.meta.get("val")):
+    if is_view(node, hidden=True) or not tensors(node.meta.get("val")):
         return profile.op_overhead
     nbytes = tensor_bytes(node.meta.get("val")) + sum(tensor_bytes(arg.meta.get("val")) for arg in _input_nodes(node))
     flop_time = node_flops(node) / profile.flops_per_s(_compute_dtype(node))
@@ -287,36 +255,26 @@ def collective_time(kind: str, nbytes: int, ranks: int | Sequence[int], profile:
     return 2 * ring if kind == "all_reduce" else ring
 
 
-def _group_ranks(group_name: str, size: int | None) -> tuple[int, ...]:
-    """Global ranks of a named group; ranks 0..size-1 (or the world's) if this process does
-    not know the group (e.g. a graph compiled elsewhere)."""
-    if dist.is_initialized():
-        try:
-            return tuple(dist.get_process_group_ranks(resolve_process_group(group_name)))
-        except (RuntimeError, ValueError):
-            pass
-        size = size or dist.get_world_size()
-    return tuple(range(size or 1))
-
-
 def collective_of(node: fx.Node) -> Collective | None:
     """The :class:`Collective` a node runs; None for anything else (including wait_tensor).
 
-    Recognises ``_c10d_functional`` ``all_gather_into_tensor``, ``reduce_scatter_tensor``,
-    ``all_reduce`` and their ``_coalesced`` forms (one collective over all their buffers).
+    Recognises what :func:`autoshard.passes.graph_utils.collective_kind` does:
+    ``_c10d_functional`` ``all_gather_into_tensor`` (and its ``_out`` form),
+    ``reduce_scatter_tensor``, ``all_reduce`` and their ``_coalesced`` forms (one collective
+    over all their buffers). A group this process does not know (a graph compiled elsewhere)
+    counts as ranks 0..size-1 (the op's group size, else the world's).
     """
-    if node.op != "call_function":
+    kind = collective_kind(node)
+    if kind is None:
         return None
-    target, args = node.target, node.args
-    if target in (c10d.all_gather_into_tensor.default, c10d.all_gather_into_tensor_coalesced.default):
-        return Collective("all_gather", tensor_bytes(node.meta.get("val")), args[2], _group_ranks(args[2], args[1]))
-    if target in (c10d.reduce_scatter_tensor.default, c10d.reduce_scatter_tensor_coalesced.default):
-        nbytes = tensor_bytes(fx.node.map_aggregate(args[0], _val))
-        return Collective("reduce_scatter", nbytes, args[3], _group_ranks(args[3], args[2]))
-    if target in (c10d.all_reduce.default, c10d.all_reduce_coalesced.default):
-        nbytes = tensor_bytes(fx.node.map_aggregate(args[0], _val))
-        return Collective("all_reduce", nbytes, args[2], _group_ranks(args[2], None))
-    return None
+    group = arg(node, "group_name")
+    # The full buffer: a gather's output, a reduction's input (its first argument).
+    nbytes = tensor_bytes(node.meta.get("val") if kind == "all_gather" else fx.node.map_aggregate(node.args[0], _val))
+    ranks = group_ranks(group)
+    if ranks is None:
+        size = None if kind == "all_reduce" else arg(node, "group_size")
+        ranks = tuple(range(size or (dist.get_world_size() if dist.is_initialized() else 1)))
+    return Collective(kind, nbytes, group, ranks)
 
 
 def estimators(profile: str | DeviceProfile) -> tuple[Callable[[fx.Node], float], Callable[..., float]]:

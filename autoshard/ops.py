@@ -25,12 +25,32 @@ Arguments shared by the ops:
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from ._compat import c10d
+
+
+def arguments(op: torch._ops.OpOverload, args: Sequence[Any], kwargs: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """An op call's arguments by their schema names, defaults filled in: how passes and these
+    ops' autograd read arguments, never by position (here because every layer imports ops)."""
+    kwargs = kwargs or {}
+    found = {}
+    for i, a in enumerate(op._schema.arguments):
+        if i < len(args) and not a.kwarg_only:
+            found[a.name] = args[i]
+        elif a.name in kwargs:
+            found[a.name] = kwargs[a.name]
+        elif a.has_default_value():
+            found[a.name] = a.default_value
+    return found
+
+
+def _gradients(op: torch._ops.OpOverload, **grads: Any) -> tuple:
+    """What a custom op's backward returns: one entry per input of ``op``, None but ``grads``."""
+    return tuple(grads.get(a.name) for a in op._schema.arguments)
 
 
 def chunk_rows(dim0: int, world_size: int) -> int:
@@ -67,18 +87,10 @@ def _average_over_replicas(t: torch.Tensor, replica_group: str, replicas: int) -
 
 
 @torch.library.custom_op("autoshard::unshard", mutates_args=())
-def unshard(
-    shard: torch.Tensor,
-    group_name: str,
-    world_size: int,
-    dim0: int,
-    reshard: bool,
-    name: str,
-    sink: Optional[torch.Tensor],
-    param_dtype: Optional[torch.dtype],
-    reduce_dtype: Optional[torch.dtype],
-    replica_group: str,
-    replicas: int,
+def unshard(  # one line per group of arguments (see the module docstring)
+    shard: torch.Tensor, group_name: str, world_size: int, dim0: int, reshard: bool, name: str,
+    sink: Optional[torch.Tensor], param_dtype: Optional[torch.dtype], reduce_dtype: Optional[torch.dtype],
+    replica_group: str, replicas: int,
 ) -> torch.Tensor:
     """All-gather ``shard`` (this rank's rows of a ``dim0``-row parameter), cast to
     ``param_dtype`` first, into the full parameter.
@@ -98,15 +110,9 @@ def _(shard, group_name, world_size, dim0, reshard, name, sink, param_dtype, red
 
 @torch.library.custom_op("autoshard::reduce_grad", mutates_args=())
 def reduce_grad(
-    grad: torch.Tensor,
-    group_name: str,
-    world_size: int,
-    shard_rows: int,
-    name: str,
-    reduce_dtype: Optional[torch.dtype],
-    out_dtype: torch.dtype,
-    replica_group: str,
-    replicas: int,
+    grad: torch.Tensor, group_name: str, world_size: int, shard_rows: int, name: str,
+    reduce_dtype: Optional[torch.dtype], out_dtype: torch.dtype,
+    replica_group: str, replicas: int,
 ) -> torch.Tensor:
     """Reduce-scatter a full gradient in ``reduce_dtype``, averaged over the data-parallel
     ranks (``group_name``, then ``replica_group``), to this rank's ``shard_rows`` rows in
@@ -127,32 +133,35 @@ def _sink_grad(ctx, grad: torch.Tensor) -> torch.Tensor | None:
     return None if ctx.sink_dtype is None else grad.to(ctx.sink_dtype)
 
 
+def _backward_args(op: torch._ops.OpOverload, inputs: tuple, backward: torch._ops.OpOverload, **given: Any) -> tuple:
+    """The arguments of ``backward`` after the gradient: those of the forward ``op`` of the
+    same name, plus ``given``."""
+    forward = {**arguments(op, inputs), **given}
+    return tuple(forward[a.name] for a in backward._schema.arguments[1:])
+
+
 def _unshard_setup(ctx, inputs, output):
-    shard, group_name, world_size, _, _, name, sink, _, reduce_dtype, replica_group, replicas = inputs
-    ctx.args = (group_name, world_size, shard.shape[0], name, reduce_dtype, shard.dtype, replica_group, replicas)
-    ctx.sink_dtype = None if sink is None else sink.dtype
+    a = arguments(_UNSHARD, inputs)
+    shard = a["shard"]
+    ctx.args = _backward_args(_UNSHARD, inputs, _REDUCE_GRAD, shard_rows=shard.shape[0], out_dtype=shard.dtype)
+    ctx.sink_dtype = None if a["sink"] is None else a["sink"].dtype
 
 
 def _unshard_backward(ctx, grad):
     if ctx.sink_dtype is not None:  # synchronisation off: the full gradient stays local
-        return None, None, None, None, None, None, _sink_grad(ctx, grad), None, None, None, None
-    return reduce_grad(grad.contiguous(), *ctx.args), None, None, None, None, None, None, None, None, None, None
+        return _gradients(_UNSHARD, sink=_sink_grad(ctx, grad))
+    return _gradients(_UNSHARD, shard=reduce_grad(grad.contiguous(), *ctx.args))
 
 
+_UNSHARD, _REDUCE_GRAD = torch.ops.autoshard.unshard.default, torch.ops.autoshard.reduce_grad.default
 unshard.register_autograd(_unshard_backward, setup_context=_unshard_setup)
 
 
 @torch.library.custom_op("autoshard::replicate", mutates_args=())
 def replicate(
-    tensor: torch.Tensor,
-    group_name: str,
-    world_size: int,
-    name: str,
-    sink: Optional[torch.Tensor],
-    param_dtype: Optional[torch.dtype],
-    reduce_dtype: Optional[torch.dtype],
-    replica_group: str,
-    replicas: int,
+    tensor: torch.Tensor, group_name: str, world_size: int, name: str,
+    sink: Optional[torch.Tensor], param_dtype: Optional[torch.dtype], reduce_dtype: Optional[torch.dtype],
+    replica_group: str, replicas: int,
 ) -> torch.Tensor:
     """Use of a replicated parameter (0-d, or every parameter under strategy "replicate"):
     a cast to ``param_dtype`` forward; backward :func:`all_reduce_grad` (or the gradient to
@@ -167,14 +176,9 @@ def _(tensor, group_name, world_size, name, sink, param_dtype, reduce_dtype, rep
 
 @torch.library.custom_op("autoshard::all_reduce_grad", mutates_args=())
 def all_reduce_grad(
-    grad: torch.Tensor,
-    group_name: str,
-    world_size: int,
-    name: str,
-    reduce_dtype: Optional[torch.dtype],
-    out_dtype: torch.dtype,
-    replica_group: str,
-    replicas: int,
+    grad: torch.Tensor, group_name: str, world_size: int, name: str,
+    reduce_dtype: Optional[torch.dtype], out_dtype: torch.dtype,
+    replica_group: str, replicas: int,
 ) -> torch.Tensor:
     """All-reduce a gradient in ``reduce_dtype``, averaged over the data-parallel ranks
     (``group_name``, then ``replica_group``), returned in ``out_dtype``."""
@@ -190,15 +194,16 @@ def _(grad, group_name, world_size, name, reduce_dtype, out_dtype, replica_group
 
 
 def _replicate_setup(ctx, inputs, output):
-    tensor, group_name, world_size, name, sink, _, reduce_dtype, replica_group, replicas = inputs
-    ctx.args = (group_name, world_size, name, reduce_dtype, tensor.dtype, replica_group, replicas)
-    ctx.sink_dtype = None if sink is None else sink.dtype
+    a = arguments(_REPLICATE, inputs)
+    ctx.args = _backward_args(_REPLICATE, inputs, _ALL_REDUCE_GRAD, out_dtype=a["tensor"].dtype)
+    ctx.sink_dtype = None if a["sink"] is None else a["sink"].dtype
 
 
 def _replicate_backward(ctx, grad):
     if ctx.sink_dtype is not None:
-        return None, None, None, None, _sink_grad(ctx, grad), None, None, None, None
-    return all_reduce_grad(grad, *ctx.args), None, None, None, None, None, None, None, None
+        return _gradients(_REPLICATE, sink=_sink_grad(ctx, grad))
+    return _gradients(_REPLICATE, tensor=all_reduce_grad(grad, *ctx.args))
 
 
+_REPLICATE, _ALL_REDUCE_GRAD = torch.ops.autoshard.replicate.default, torch.ops.autoshard.all_reduce_grad.default
 replicate.register_autograd(_replicate_backward, setup_context=_replicate_setup)

@@ -7,7 +7,6 @@ A :class:`Report` is built from the stage copies that :func:`autoshard.dump.reco
 """
 from __future__ import annotations
 
-import html
 import json
 import math
 from collections import Counter
@@ -20,33 +19,13 @@ from tabulate import tabulate
 from torch import fx
 
 from autoshard.passes.bucket import block_of
-from autoshard.passes.graph_utils import PARAMS
+from autoshard.passes.graph_utils import PARAMS, arg
 
 from ._compat import to_local_source
 from .analysis import Event, StepAnalysis, analyze
 from .cost_model import COLLECTIVE_KINDS, DeviceProfile, collective_of, get_profile
-
-# The stages the backend writes, in pipeline order (autoshard/backend.py). Inference graphs
-# have no joint, lowered or backward stages; the "none" and "inductor" schedules no *_bucketed.
-STAGES = ("captured", "joint", "lowered", "forward_bucketed", "forward", "backward_bucketed", "backward")
-
-
-def _what(before: str, after: str) -> str:
-    """What the backend does between two stages (autoshard/backend.py)."""
-    if after == "joint":
-        return "AOT autograd: traced to ATen, forward and backward in one joint graph"
-    if after == "lowered":
-        return "lower: shared parameters merged, annotations replaced by collectives, last bucket kept gathered"
-    steps = {"captured": ["AOT autograd: traced to ATen (inference: no backward)", "lower"], "lowered": ["partition"]}.get(before, [])
-    if after.endswith("_bucketed"):
-        steps.append("bucket: per-parameter collectives merged into flat ones")
-    else:
-        steps.append("schedule: prefetch and reorder" if before.endswith("_bucketed") else "the schedule option's reordering")
-    return ", then ".join(steps)
-
-
-_MAX_CODE_CHARS = 500_000  # per stage in the HTML page; an 8B model's joint graph is tens of MB
-
+from .pipeline import STAGES, what_happened
+from .report_html import downsample, fmt_bytes as _fmt_bytes, fmt_time as _fmt_time, render_html
 
 def op_label(node: fx.Node) -> str:
     """A node's operation: ``aten.mm.default``, ``getitem``, ``.to_local`` (a method),
@@ -132,7 +111,7 @@ def summarize_pass(before: str, after: str, a: fx.GraphModule, b: fx.GraphModule
     ca, cb = Counter(map(op_label, na)), Counter(map(op_label, nb))
     first_partitioned = after.endswith("_bucketed") or before in ("captured", "lowered")
     return PassSummary(
-        before, after, _what(before, after),
+        before, after, what_happened(before, after),
         len(na), len(nb), dict(cb - ca), dict(ca - cb),
         _moved([n.name for n in na], [n.name for n in nb]),
         _collective_counts(b) if first_partitioned and after not in ("joint", "lowered") else {},
@@ -157,20 +136,6 @@ def _block(node: fx.Node | None) -> str | None:
         return None
     path = str(list(stack.values())[-1][0]).removeprefix("L['self']").lstrip(".")
     return block_of(path + ".x") or path.split(".")[0] or None
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:.3g} {unit}"
-    return f"{n:.0f} B"
-
-
-def _fmt_time(s: float) -> str:
-    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
-        if abs(s) >= scale:
-            return f"{s / scale:.4g} {unit}"
-    return f"{s * 1e9:.4g} ns"
 
 
 class Report:
@@ -221,13 +186,13 @@ class Report:
             name = str(node.target)
             if node.op != "call_function" or name not in ("autoshard.unshard.default", "autoshard.replicate.default"):
                 continue
-            local = node.args[0]
+            local = arg(node, "shard" if name == "autoshard.unshard.default" else "tensor")
             source = to_local_source(local) if isinstance(local, fx.Node) else None
             key = local if source is None else source
             value = local.meta.get("example_value", local.meta.get("val")) if isinstance(local, fx.Node) else None
             if value is None:
                 return None, None, 0
-            rows = node.args[3] if name == "autoshard.unshard.default" else None
+            rows = arg(node, "dim0") if name == "autoshard.unshard.default" else None
             full = value.numel() if rows is None else rows * math.prod(value.shape[1:])
             seen[key] = (int(full), int(value.numel() * value.element_size()))
         return sum(f for f, _ in seen.values()), sum(b for _, b in seen.values()), len(seen)
@@ -345,7 +310,7 @@ class Report:
                 "ph": "X", "cat": "collective", "name": e.kind, "pid": pid, "tid": tid[e.lane], "ts": e.start * us, "dur": (e.end - e.start) * us,
                 "args": {"node": e.name, "stage": e.stage, "kind": e.kind, "bytes": e.nbytes, "params": list(e.params)},
             })
-        for t, live in _downsample(self.analysis.memory_curve, 4000):
+        for t, live in downsample(self.analysis.memory_curve, 4000):
             events.append({"ph": "C", "name": "memory", "pid": pid, "ts": t * us, "args": {"live MiB": live / 2**20}})
         return {"traceEvents": events, "displayTimeUnit": "ns", "otherData": {"title": self.title, "profile": self.profile.name}}
 
@@ -356,7 +321,7 @@ class Report:
     def html(self) -> str:
         """One self-contained page (inline SVG and CSS, no script, nothing fetched): summary,
         timeline, memory curve, buckets, passes and stage code."""
-        return _render_html(self)
+        return render_html(self)
 
     def save_html(self, path: str | Path) -> None:
         """Write :meth:`html` to ``path``."""
@@ -369,140 +334,3 @@ class Report:
         self.save_html(folder / "report.html")
         self.save_chrome_trace(folder / "trace.json")
         (folder / "summary.txt").write_text(self.summary() + "\n\n" + "\n".join(p.text() for p in self.passes) + "\n")
-
-
-def _downsample(curve: list[tuple[float, int]], bins: int) -> list[tuple[float, int]]:
-    """At most ~4 points per time bin (first, min, max, last, in order), so the peak and the
-    shape survive while a curve of 100k points shrinks to a few thousand."""
-    if len(curve) <= 4 * bins:
-        return list(curve)
-    end = curve[-1][0] or 1.0
-    out: list[tuple[float, int]] = []
-    i = 0
-    while i < len(curve):
-        b = int(curve[i][0] / end * bins)
-        j = i
-        while j < len(curve) and int(curve[j][0] / end * bins) == b:
-            j += 1
-        chunk = curve[i:j]
-        picks = {0, len(chunk) - 1, min(range(len(chunk)), key=lambda k: chunk[k][1]), max(range(len(chunk)), key=lambda k: chunk[k][1])}
-        out.extend(chunk[k] for k in sorted(picks))
-        i = j
-    return out
-
-
-def _esc(text: Any) -> str:
-    return html.escape(str(text), quote=True)
-
-
-def _ticks(end: float, target: int = 8) -> list[float]:
-    """Round tick positions (1, 2 or 5 x 10^k apart) from 0 to ``end``."""
-    if end <= 0:
-        return [0.0]
-    raw = end / target
-    base = 10 ** math.floor(math.log10(raw))
-    step = next(m * base for m in (1, 2, 5, 10) if m * base >= raw)
-    return [i * step for i in range(int(end / step) + 1)]
-
-
-_CSS = """
-body{font:14px system-ui,sans-serif;margin:24px;color:#222}h1{font-size:20px}h2{font-size:16px;margin-top:28px}
-table{border-collapse:collapse}td,th{border:1px solid #ddd;padding:3px 8px;text-align:left;vertical-align:top}
-pre{background:#f6f6f6;padding:8px;overflow:auto;max-height:600px;font-size:12px}
-svg text{font:11px system-ui,sans-serif}.lane{fill:#f3f3f3}.compute{stroke:#fff;stroke-width:.5}.compute.forward{fill:#4e79a7}.compute.backward{fill:#76b7b2}
-.collective rect{stroke:#222;stroke-width:.5}.all_gather rect{fill:#f28e2b}.reduce_scatter rect{fill:#b07aa1}.all_reduce rect{fill:#e15759}
-.collective:hover rect{stroke-width:2}.memory{fill:none;stroke:#59a14f;stroke-width:1.5}.peak{fill:#e15759}
-.bound{stroke:#999;stroke-dasharray:4 3}.stage{stroke:#222;stroke-dasharray:6 3}.axis{stroke:#999}
-td.params{font-size:12px;max-width:900px}:target{background:#ffe9a8}
-"""
-
-
-def _render_html(r: Report) -> str:
-    a = r.analysis
-    end = max([a.step_time, *(e.end for e in a.timeline)]) or 1.0
-    left, width, lane_h, gap, top = 150, 1100, 26, 6, 22
-    x = lambda t: left + width * t / end  # noqa: E731
-    lanes = ["compute", *sorted({e.lane for e in r.collectives()})]
-    y = {lane: top + i * (lane_h + gap) for i, lane in enumerate(lanes)}
-    mem_top = top + len(lanes) * (lane_h + gap) + 20
-    mem_h = 150
-    svg: list[str] = []
-    for lane in lanes:
-        label = lane if lane == "compute" else f"comm, group {lane.split(':', 1)[1]}"
-        svg.append(f'<rect class="lane" x="{left}" y="{y[lane]}" width="{width}" height="{lane_h}"/>')
-        svg.append(f'<text x="{left - 6}" y="{y[lane] + lane_h / 2 + 4}" text-anchor="end">{_esc(label)}</text>')
-    for t in _ticks(end):
-        svg.append(f'<line class="axis" x1="{x(t):.2f}" x2="{x(t):.2f}" y1="{top - 4}" y2="{mem_top + mem_h}"/>')
-        svg.append(f'<text x="{x(t):.2f}" y="{top - 8}" text-anchor="middle">{_fmt_time(t) if t else "0"}</text>')
-    for g in r.compute_groups():
-        tip = f"{g.stage} compute {g.label}: {len(g.events)} nodes, {_fmt_time(g.end - g.start)} ({g.events[0].name} .. {g.events[-1].name})"
-        svg.append(
-            f'<rect class="compute {g.stage}" x="{x(g.start):.2f}" y="{y["compute"]}" width="{max(x(g.end) - x(g.start), 0.5):.2f}" '
-            f'height="{lane_h}"><title>{_esc(tip)}</title></rect>'
-        )
-    for e in r.collectives():
-        tip = (f"{e.stage} {e.kind} ({e.name}): {_fmt_bytes(e.nbytes)}, {_fmt_time(e.end - e.start)}, "
-               f"{len(e.params)} parameters: {', '.join(e.params) or 'unknown'}")
-        svg.append(
-            f'<a href="#c-{e.stage}-{_esc(e.name)}"><g class="collective {e.kind}"><rect x="{x(e.start):.2f}" y="{y[e.lane] + 3}" '
-            f'width="{max(x(e.end) - x(e.start), 1):.2f}" height="{lane_h - 6}"/><title>{_esc(tip)}</title></g></a>'
-        )
-    bw = r.backward_start()
-    if bw is not None:
-        svg.append(f'<line class="stage" x1="{x(bw):.2f}" x2="{x(bw):.2f}" y1="{top}" y2="{mem_top + mem_h}"/>')
-        svg.append(f'<text x="{x(bw) + 4:.2f}" y="{mem_top - 6}">backward starts</text>')
-    # Memory: a step curve of live bytes; the peak marked; the lower bound dashed.
-    peak = max(a.peak_bytes, 1)
-    my = lambda b: mem_top + mem_h - mem_h * b / (1.05 * peak)  # noqa: E731
-    points, last = [], None
-    for t, live in _downsample(a.memory_curve, width):
-        if last is not None:
-            points.append(f"{x(t):.2f},{my(last):.2f}")
-        points.append(f"{x(t):.2f},{my(live):.2f}")
-        last = live
-    if last is not None:
-        points.append(f"{x(end):.2f},{my(last):.2f}")
-    t_peak = next((t for t, live in a.memory_curve if live == a.peak_bytes), 0.0)
-    svg += [
-        f'<rect class="lane" x="{left}" y="{mem_top}" width="{width}" height="{mem_h}"/>',
-        f'<text x="{left - 6}" y="{mem_top + mem_h / 2}" text-anchor="end">memory (live bytes)</text>',
-        f'<line class="bound" x1="{left}" x2="{left + width}" y1="{my(a.memory_lower_bound):.2f}" y2="{my(a.memory_lower_bound):.2f}">'
-        f"<title>memory lower bound {_fmt_bytes(a.memory_lower_bound)}</title></line>",
-        f'<polyline class="memory" points="{" ".join(points)}"/>',
-        f'<circle class="peak" cx="{x(t_peak):.2f}" cy="{my(a.peak_bytes):.2f}" r="4"><title>peak {_fmt_bytes(a.peak_bytes)} at {_fmt_time(t_peak)}</title></circle>',
-        f'<text x="{x(t_peak) + 7:.2f}" y="{my(a.peak_bytes) + 4:.2f}">peak {_fmt_bytes(a.peak_bytes)}</text>',
-    ]
-    height = mem_top + mem_h + 10
-
-    rows = "".join(f"<tr><td>{_esc(k)}</td><td>{_esc(v)}</td></tr>" for k, v in r.summary_rows())
-    buckets = "".join(
-        f'<tr id="c-{e.stage}-{_esc(e.name)}"><td>{e.stage}</td><td>{e.kind}</td><td>{_esc(e.name)}</td><td>{_fmt_bytes(e.nbytes)}</td>'
-        f'<td>{_fmt_time(e.start)}</td><td>{_fmt_time(e.end - e.start)}</td><td>{len(e.params)}</td><td class="params">{_esc(", ".join(e.params))}</td></tr>'
-        for e in r.collectives()
-    )
-    passes = "".join(f"<li>{_esc(p.text())}</li>" for p in r.passes)
-    stages = []
-    for stage, gm in r.stages.items():
-        code = r.code(stage)
-        if len(code) > _MAX_CODE_CHARS:
-            code = code[:_MAX_CODE_CHARS] + f"\n# ... truncated ({len(code):,} characters); Report.code({stage!r}) or debug_dir has it all\n"
-        stages.append(f"<details><summary>{stage} ({len(gm.graph.nodes)} nodes)</summary><pre>{_esc(code)}</pre></details>")
-    title = f"autoshard report{': ' + r.title if r.title else ''}"
-    return f"""<!DOCTYPE html>
-<html><head><meta charset="utf-8"><title>{_esc(title)}</title><style>{_CSS}</style></head><body>
-<h1>{_esc(title)}</h1>
-<p>Rank {r.rank}, profile <b>{_esc(r.profile.name)}</b>. One simulated training step: compute runs on one stream, each
-process group's collectives on their own; durations from the cost model.</p>
-<h2>Summary</h2><table>{rows}</table>
-<h2>Timeline</h2>
-<p>Time runs left to right. The compute lane holds groups of nodes that ran back to back (dark: forward, light: backward);
-a gap in it is compute waiting for a collective (exposed communication). Each communication lane is one process group;
-every box is one collective (orange all-gather, purple reduce-scatter, red all-reduce): hover for its bytes and parameters,
-click for its row in the bucket table. Below, the live memory of this rank, with its peak marked and the lower bound dashed.</p>
-<svg width="{left + width + 20}" height="{height}" viewBox="0 0 {left + width + 20} {height}" role="img">{"".join(svg)}</svg>
-<h2>Buckets</h2><p>One row per collective: the bucket it moves.</p>
-<table><tr><th>stage</th><th>kind</th><th>node</th><th>bytes</th><th>start</th><th>duration</th><th>params</th><th>parameters</th></tr>{buckets}</table>
-<h2>Passes</h2><ol>{passes}</ol>
-<h2>Stages</h2>{"".join(stages)}
-</body></html>
-"""

@@ -1,6 +1,7 @@
 """autoshard's graph passes: each a deterministic ``GraphModule -> GraphModule`` function.
 
-Installed as ``autoshard.passes``. In pipeline order: on the joint forward+backward graph,
+Installed as ``autoshard.passes``. Their order, stages and schedules are declared in
+``autoshard/pipeline.py``; in short: on the joint forward+backward graph,
 merge_shared_parameters, lower_annotations and keep_last_bucket_gathered; on each
 partitioned graph, bucket_collectives then schedule_overlap (or PyTorch's own scheduler,
 inductor_schedule, as a baseline).

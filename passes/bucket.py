@@ -9,7 +9,9 @@ from torch import fx
 
 from autoshard._compat import c10d
 
-from .graph_utils import GATHERED, PARAMS, call, collectives, exclusive_inputs, issue_inputs, nbytes, positions, reorder, val, wait_of
+from .graph_utils import (
+    GATHERED, PARAMS, call, collectives, exclusive_inputs, issue_inputs, mib_to_bytes, nbytes, positions, reorder, val, wait_of,
+)
 
 aten = torch.ops.aten
 
@@ -199,7 +201,7 @@ def bucket_collectives(gm: fx.GraphModule, bucket_mb: float | None = None) -> fx
     ``meta["autoshard_gathered"]``; the collective's ``meta["autoshard_params"]`` lists its
     parameters.
     """
-    bucket_bytes = int(bucket_mb * 2**20) if bucket_mb else None
+    bucket_bytes = mib_to_bytes(bucket_mb)
     graph = gm.graph
     pos = positions(graph.nodes)  # priorities refer to the order before any rewrite
     priority: dict[fx.Node, float] = {}

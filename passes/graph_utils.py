@@ -1,14 +1,21 @@
-"""Small helpers shared by the graph passes: building nodes that carry fake values, finding
-collectives, and reordering a graph by priorities."""
+"""The graph helpers every pass and tool shares, each defined once: building nodes that carry
+fake values, reading op arguments by name, recognising collectives and views, counting bytes,
+looking up process groups, and reordering a graph by priorities.
+
+Imports nothing from autoshard but ``_compat`` and ``ops`` (neither imports back), so the cost
+model, the simulator and the report can use it without an import cycle.
+"""
 from __future__ import annotations
 
 import heapq
 from typing import Any, Iterable
 
 import torch
+import torch.distributed as dist
 from torch import fx
 
-from autoshard._compat import c10d, tree_leaves, tree_map
+from autoshard._compat import c10d, optimization_hint, resolve_process_group, tree_leaves, tree_map
+from autoshard.ops import arguments
 
 # node.meta keys the passes share.
 PARAMS = "autoshard_params"  # on a collective: names of the parameters it moves (a tuple)
@@ -36,8 +43,43 @@ def is_op(node: fx.Node, op: Any) -> bool:
     return node.op == "call_function" and (node.target is op or getattr(node.target, "overloadpacket", None) is op)
 
 
-def is_view(node: fx.Node) -> bool:
-    return node.op == "call_function" and getattr(node.target, "is_view", False)
+def arg(node: fx.Node, name: str) -> Any:
+    """The argument ``name`` of an OpOverload call, by the op's schema: positional, keyword or
+    its default. Passes read arguments this way, never by position."""
+    return arguments(node.target, node.args, node.kwargs)[name]
+
+
+def is_view(node: fx.Node, *, hidden: bool = False) -> bool:
+    """Whether ``node`` only makes a view of its first input, as its schema declares.
+    ``hidden``: also ``_unsafe_view``, a view whose schema hides the alias (for autograd's
+    sake); storage accounting wants it, passes that follow schemas do not."""
+    if node.op != "call_function":
+        return False
+    return getattr(node.target, "is_view", False) or (hidden and node.target is torch.ops.aten._unsafe_view.default)
+
+
+# Every _c10d_functional op that starts communication, by the kind the cost model prices it as.
+# all_gather_into_tensor_out is what PyTorch's bucketer (schedule "inductor") emits.
+COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+_KIND_OF = {
+    c10d.all_gather_into_tensor.default: "all_gather",
+    c10d.all_gather_into_tensor_coalesced.default: "all_gather",
+    c10d.all_gather_into_tensor_out.default: "all_gather",
+    c10d.reduce_scatter_tensor.default: "reduce_scatter",
+    c10d.reduce_scatter_tensor_coalesced.default: "reduce_scatter",
+    c10d.all_reduce.default: "all_reduce",
+    c10d.all_reduce_coalesced.default: "all_reduce",
+}
+
+
+def collective_kind(node: fx.Node) -> str | None:
+    """``"all_gather"``, ``"reduce_scatter"`` or ``"all_reduce"`` for a node that starts a
+    collective; None for anything else, ``wait_tensor`` included."""
+    return _KIND_OF.get(node.target) if node.op == "call_function" else None
+
+
+def is_wait(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target is c10d.wait_tensor.default
 
 
 def collectives(graph: fx.Graph, op: Any) -> list[fx.Node]:
@@ -45,9 +87,25 @@ def collectives(graph: fx.Graph, op: Any) -> list[fx.Node]:
     return [n for n in graph.nodes if n.op == "call_function" and n.target is op]
 
 
+def group_ranks(group_name: str) -> tuple[int, ...] | None:
+    """Global ranks of the process group called ``group_name``; None where this process does
+    not know it (no process group, or a graph compiled elsewhere)."""
+    if not dist.is_initialized():
+        return None
+    try:
+        return tuple(dist.get_process_group_ranks(resolve_process_group(group_name)))
+    except (RuntimeError, ValueError):
+        return None
+
+
+def mib_to_bytes(mib: float | None) -> int | None:
+    """A size option in MiB as bytes; None (no cap) stays None."""
+    return None if mib is None else int(mib * 2**20)
+
+
 def wait_of(collective: fx.Node) -> fx.Node:
     """The ``wait_tensor`` of a functional collective (lowering gives each exactly one)."""
-    (wait,) = [u for u in collective.users if u.target is c10d.wait_tensor.default]
+    (wait,) = [u for u in collective.users if is_wait(u)]
     return wait
 
 
@@ -135,9 +193,29 @@ def reorder(gm: fx.GraphModule, priority: dict[fx.Node, float]) -> fx.GraphModul
     return gm
 
 
+def _int(x: Any) -> int:
+    # A symbolic size's hint, without adding guards; unbacked sizes count as 1.
+    return optimization_hint(x, fallback=1) if isinstance(x, torch.SymInt) else int(x)
+
+
+def tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors in ``value`` (a tensor, or nested lists/tuples), in order."""
+    found: list[torch.Tensor] = []
+    fx.node.map_aggregate(value, lambda v: found.append(v) if isinstance(v, torch.Tensor) else None)
+    return found
+
+
+def tensor_bytes(value: Any) -> int:
+    """Bytes of the tensors in ``value`` (a tensor, or nested lists/tuples); others count 0.
+
+    numel x element size: the bytes a kernel reads or writes, whatever the strides.
+    """
+    return sum(_int(t.numel()) * t.element_size() for t in tensors(value))
+
+
 def nbytes(node: fx.Node) -> int:
-    t = val(node)
-    return t.numel() * t.element_size()
+    """Bytes of a node's fake value."""
+    return tensor_bytes(node.meta.get("val"))
 
 
 def positions(nodes: Iterable[fx.Node]) -> dict[fx.Node, int]:

@@ -14,17 +14,15 @@ from typing import Any, Callable
 
 from torch import fx
 
-from autoshard._compat import c10d, patch_overlap_scheduler, schedule_overlap_bucketing
+from autoshard._compat import patch_overlap_scheduler, schedule_overlap_bucketing
+
+from .graph_utils import collective_kind, is_wait
 
 
 # PyTorch evaluates its roofline for every compute node even when our estimate replaces it;
 # these stand in for the GPU figures it would read through Triton. Their values are unused.
 CPU_DRAM_GBPS = 20.0
 CPU_TFLOPS = 0.1
-
-
-def _is_collective_start(node: fx.Node) -> bool:
-    return getattr(node.target, "namespace", None) == "_c10d_functional" and node.target is not c10d.wait_tensor.default
 
 
 def inductor_schedule(
@@ -56,9 +54,9 @@ def inductor_schedule(
     returned untouched.
     """
     def estimate(node: fx.Node, override_size: int | None) -> float | None:  # in ms, as PyTorch wants
-        if _is_collective_start(node):
+        if collective_kind(node) is not None:
             return 1e3 * collective_time(node, override_size)
-        if node.target is c10d.wait_tensor.default:
+        if is_wait(node):
             return 0.0
         return 1e3 * compute_time(node)
 

@@ -7,7 +7,7 @@ from torch import fx
 from autoshard._compat import c10d, must_recompute
 from autoshard.ops import chunk_rows
 
-from .graph_utils import PARAMS, call, is_op, is_view, val
+from .graph_utils import PARAMS, arg, call, is_op, is_view, val
 
 aten = torch.ops.aten
 annotations = torch.ops.autoshard
@@ -42,8 +42,8 @@ def _all_reduce(graph: fx.Graph, x: fx.Node, group: str, name: str) -> fx.Node:
 
 
 def _lower_unshard(graph: fx.Graph, node: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
-    shard, group, world, dim0, _, name, _, param_dtype = node.args[:8]
-    cast = _cast(graph, shard, param_dtype)  # on the shard: the gather moves the low precision
+    shard, group, world, dim0, name = (arg(node, a) for a in ("shard", "group_name", "world_size", "dim0", "name"))
+    cast = _cast(graph, shard, arg(node, "param_dtype"))  # on the shard: the gather moves the low precision
     if world == 1:
         return cast, [cast] if cast is not shard else []
     padded = _pad_rows(graph, cast, chunk_rows(dim0, world))
@@ -55,26 +55,26 @@ def _lower_unshard(graph: fx.Graph, node: fx.Node) -> tuple[fx.Node, list[fx.Nod
 
 
 def _lower_reduce_grad(graph: fx.Graph, node: fx.Node) -> fx.Node:
-    grad, group, world, rows, name, reduce_dtype, out_dtype, replica_group, replicas = node.args
-    grad = _cast(graph, grad, reduce_dtype)
+    group, world, name = arg(node, "group_name"), arg(node, "world_size"), arg(node, "name")
+    grad = _cast(graph, arg(node, "grad"), arg(node, "reduce_dtype"))
     if world > 1:
         padded = _pad_rows(graph, grad, chunk_rows(val(grad).shape[0], world) * world)
         reduce = call(graph, c10d.reduce_scatter_tensor.default, padded, "avg", world, group)
         reduce.meta[PARAMS] = (name,)
         grad = call(graph, c10d.wait_tensor.default, reduce)
-    if replicas > 1:  # on the padded shard: the same shape on every rank
-        grad = _all_reduce(graph, grad, replica_group, name)
-    return _cast(graph, _take_rows(graph, grad, rows), out_dtype)
+    if arg(node, "replicas") > 1:  # on the padded shard: the same shape on every rank
+        grad = _all_reduce(graph, grad, arg(node, "replica_group"), name)
+    return _cast(graph, _take_rows(graph, grad, arg(node, "shard_rows")), arg(node, "out_dtype"))
 
 
 def _lower_all_reduce_grad(graph: fx.Graph, node: fx.Node) -> fx.Node:
-    grad, group, world, name, reduce_dtype, out_dtype, replica_group, replicas = node.args
-    grad = _cast(graph, grad, reduce_dtype)
-    if world > 1:
-        grad = _all_reduce(graph, grad, group, name)
-    if replicas > 1:
-        grad = _all_reduce(graph, grad, replica_group, name)
-    return _cast(graph, grad, out_dtype)
+    name = arg(node, "name")
+    grad = _cast(graph, arg(node, "grad"), arg(node, "reduce_dtype"))
+    if arg(node, "world_size") > 1:
+        grad = _all_reduce(graph, grad, arg(node, "group_name"), name)
+    if arg(node, "replicas") > 1:
+        grad = _all_reduce(graph, grad, arg(node, "replica_group"), name)
+    return _cast(graph, grad, arg(node, "out_dtype"))
 
 
 def _view_chain(node: fx.Node) -> list[fx.Node]:
@@ -113,14 +113,14 @@ def lower_annotations(gm: fx.GraphModule, reshard_after_forward: bool | None = N
         with graph.inserting_before(node):
             if is_op(node, annotations.unshard):
                 out, created = _lower_unshard(graph, node)
-                if node.args[4] if reshard_after_forward is None else reshard_after_forward:
+                if arg(node, "reshard") if reshard_after_forward is None else reshard_after_forward:
                     recompute = created
             elif is_op(node, annotations.reduce_grad):
                 out = _lower_reduce_grad(graph, node)
             elif is_op(node, annotations.all_reduce_grad):
                 out = _lower_all_reduce_grad(graph, node)
             elif is_op(node, annotations.replicate):
-                out = _cast(graph, node.args[0], node.args[5])
+                out = _cast(graph, arg(node, "tensor"), arg(node, "param_dtype"))
             else:
                 continue
         node.replace_all_uses_with(out)

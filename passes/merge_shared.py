@@ -4,7 +4,9 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from .graph_utils import call, is_op, val
+from autoshard.ops import arguments
+
+from .graph_utils import arg, call, is_op, val
 
 aten = torch.ops.aten
 annotations = torch.ops.autoshard
@@ -15,11 +17,16 @@ def _is_noop_view(node: fx.Node) -> bool:
     return node.target is aten.view.default and val(node).shape == val(node.args[0]).shape
 
 
-def _key(node: fx.Node) -> tuple:
+def _key(node: fx.Node, *leave_out: str) -> tuple:
     """The op and its arguments but the parameter's name, which differs between the modules
-    sharing it."""
-    schema = node.target._schema.arguments
-    return (node.target, *(a for a, s in zip(node.args, schema) if s.name != "name"))
+    sharing it, and ``leave_out``."""
+    named = arguments(node.target, node.args, node.kwargs)
+    return (node.target, *(v for k, v in named.items() if k not in ("name", *leave_out)))
+
+
+def _with(node: fx.Node, **changed: object) -> list:
+    """``node``'s arguments in schema order, with ``changed`` ones replaced."""
+    return list({**arguments(node.target, node.args, node.kwargs), **changed}.values())
 
 
 def _reduced(node: object) -> list[fx.Node] | None:
@@ -50,10 +57,11 @@ def merge_shared_parameters(gm: fx.GraphModule) -> fx.GraphModule:
     first: dict[tuple, fx.Node] = {}
     for node in list(graph.nodes):
         if is_op(node, annotations.unshard) or is_op(node, annotations.replicate):
-            shard = node.args[0]
+            first_input = "shard" if is_op(node, annotations.unshard) else "tensor"
+            shard = arg(node, first_input)
             while _is_noop_view(shard):
                 shard = shard.args[0]
-            kept = first.setdefault((node.target, shard, *_key(node)[2:]), node)
+            kept = first.setdefault((shard, *_key(node, first_input)), node)
             if kept is not node:
                 node.replace_all_uses_with(kept)
                 graph.erase_node(node)
@@ -61,13 +69,12 @@ def merge_shared_parameters(gm: fx.GraphModule) -> fx.GraphModule:
             chains = [_reduced(arg) for arg in node.args]
             if None in chains:
                 continue
-            a_key, b_key = _key(chains[0][0]), _key(chains[1][0])
-            if (a_key[0], *a_key[2:]) != (b_key[0], *b_key[2:]):  # all but the gradient itself
+            if _key(chains[0][0], "grad") != _key(chains[1][0], "grad"):  # all but the gradient itself
                 continue
             (a, *_), (b, *_) = chains
             with graph.inserting_before(node):
-                summed = call(graph, aten.add.Tensor, a.args[0], b.args[0])
-                merged = call(graph, a.target, summed, *a.args[1:])
+                summed = call(graph, aten.add.Tensor, arg(a, "grad"), arg(b, "grad"))
+                merged = call(graph, a.target, *_with(a, grad=summed))
             node.replace_all_uses_with(merged)
             graph.erase_node(node)
             for dead in reversed(chains[0] + chains[1]):

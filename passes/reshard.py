@@ -6,7 +6,7 @@ from torch import fx
 from autoshard._compat import c10d, must_save, recompute_region
 
 from .bucket import plan_buckets
-from .graph_utils import PARAMS, collectives, nbytes
+from .graph_utils import PARAMS, collectives, mib_to_bytes, nbytes
 
 
 def keep_last_bucket_gathered(
@@ -25,7 +25,7 @@ def keep_last_bucket_gathered(
     resharded = [g for g in gathers if recompute_region(g) is not None]
     if not resharded or resharded[-1] is not gathers[-1]:
         return joint
-    last = plan_buckets(gathers, int(bucket_mb * 2**20) if bucket_mb else None)[-1]
+    last = plan_buckets(gathers, mib_to_bytes(bucket_mb))[-1]
     if max_inflight_bytes is not None and 2 * sum(map(nbytes, last)) > max_inflight_bytes:
         return joint
     regions = {recompute_region(g) for g in last} - {None}

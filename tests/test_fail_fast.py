@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 import autoshard
-import autoshard.backend as backend
+import autoshard.pipeline as pipeline
 
 from models import batch, build
 
@@ -55,17 +55,17 @@ def _failures(folder: str) -> dict[str, tuple[str, float]]:
         ckpt._read_checked = read
 
     # A compile step that raises on rank 1 only, before the plan exchange.
-    merge = backend.merge_shared_parameters
+    merge = pipeline.merge_shared_parameters  # the pipeline looks passes up when it runs them
     if rank == 1:
         def broken(joint):
             raise RuntimeError("a pass failed on this rank")
-        backend.merge_shared_parameters = broken
+        pipeline.merge_shared_parameters = broken
     compiled = torch.compile(model, backend="autoshard", options={"compiler": "aot_eager"})
     x, y = batch("mlp", 0)
     try:
         out["compile"] = _timed(lambda: compiled(x, y).backward())
     finally:
-        backend.merge_shared_parameters = merge
+        pipeline.merge_shared_parameters = merge
 
     ones = torch.ones(1)
     dist.all_reduce(ones)  # the user's own group is untouched

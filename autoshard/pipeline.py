@@ -1,0 +1,220 @@
+"""The backend's pipeline, declared once: which passes run on which graph, in which order, for
+which ``schedule`` option, and which stages are written between them.
+
+The backend runs these lists (:func:`run`), the dumps take their stage names from them and the
+report its stage order (:data:`STAGES`) and its words for each step (:func:`what_happened`).
+Adding a pass is one entry here plus its file in ``passes/``. Each pass states what it
+requires and provides; :func:`check_order` verifies every list, for every schedule, when this
+module is imported, so a misordered list fails at once instead of compiling a wrong graph.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence, Union
+
+from torch import fx
+
+from autoshard.passes import (
+    bucket_collectives,
+    inductor_schedule,
+    keep_last_bucket_gathered,
+    lower_annotations,
+    merge_shared_parameters,
+    schedule_overlap,
+)
+from autoshard.passes.graph_utils import is_copy, mib_to_bytes
+
+from ._compat import save_random_ops_in_checkpoints
+from .consistency import check_ranks_agree
+from .options import SCHEDULES
+
+# What a graph holds, as passes require and provide it.
+ANNOTATIONS = "annotation ops"  # every graph starts with them (Dynamo captured the property reads)
+MERGED = "shared parameters merged"
+LOWERED = "lowered collectives"
+RECOMPUTE_TAGS = "recompute tags"
+BUCKETS = "buckets"
+ORDERED = "scheduled order"  # Inductor must keep this order (see KEEP_ORDER in backend.py)
+RNG_SAVED = "random ops saved"
+
+OURS = ("autoshard", "fsdp2")  # the schedules that bucket and prefetch with autoshard's passes
+
+
+@dataclass
+class Context:
+    """What a pass may read besides its graph: the backend's options, the side of the graph
+    (``"joint"``, ``"forward"``, ``"backward"``) and the cost model's estimators (None on the
+    joint graph, which is scheduled only after partitioning)."""
+
+    options: Any
+    side: str
+    compute_time: Callable[[fx.Node], float] | None = None
+    comm_time: Callable[..., float] | None = None
+
+
+@dataclass(frozen=True)
+class Pass:
+    """One step: ``run(graph, context)`` changes the graph in place. ``what``: the report's
+    words for it (None: it changes nothing a reader sees)."""
+
+    name: str
+    run: Callable[[fx.GraphModule, Context], Any]
+    what: str | None
+    requires: frozenset[str] = frozenset()
+    provides: frozenset[str] = frozenset()
+    schedules: tuple[str, ...] = SCHEDULES
+
+
+@dataclass(frozen=True)
+class Stage:
+    """Where a copy of the graph is written, as ``<name>.py`` (``{side}``: forward or backward).
+    ``what``: the report's words for what made the graph before it (None: the passes did)."""
+
+    name: str
+    what: str | None = None
+    schedules: tuple[str, ...] = SCHEDULES
+
+    def stage(self, side: str) -> str:
+        return self.name.format(side=side)
+
+
+Step = Union[Pass, Stage]
+
+
+def _fsdp2_limits(ctx: Context) -> dict[str, int]:
+    # FSDP2's policy on the same buckets: prefetch the next one, one reduce-scatter in flight.
+    return dict(max_prefetch=1, max_reduces_in_flight=1) if ctx.options.schedule == "fsdp2" else {}
+
+
+def _inductor_schedule(gm: fx.GraphModule, ctx: Context) -> None:
+    # Shards are padded only on ranks whose shard is short: pricing those pads would let
+    # PyTorch's scheduler decide differently per rank. Data movement is priced at zero.
+    inductor_schedule(gm, lambda n: 0.0 if is_copy(n) else ctx.compute_time(n), ctx.comm_time)
+
+
+# The graph Dynamo hands the backend.
+CAPTURED: tuple[Step, ...] = (Stage("captured"),)
+
+# AOT autograd's joint forward+backward graph (not built for inference graphs).
+JOINT: tuple[Step, ...] = (
+    Stage("joint", what="AOT autograd: traced to ATen, forward and backward in one joint graph"),
+    Pass("save_random_ops_in_checkpoints", lambda gm, ctx: save_random_ops_in_checkpoints(gm),
+         None, provides=frozenset({RNG_SAVED})),  # a torch 2.13 bug, see autoshard/_compat.py
+    Pass("merge_shared_parameters", lambda gm, ctx: merge_shared_parameters(gm),
+         "shared parameters merged", frozenset({ANNOTATIONS}), frozenset({MERGED})),
+    Pass("lower_annotations", lambda gm, ctx: lower_annotations(gm, ctx.options.reshard_after_forward),
+         "annotations replaced by collectives", frozenset({MERGED}), frozenset({LOWERED, RECOMPUTE_TAGS})),
+    # FSDP2 keeps its root unit gathered too.
+    Pass("keep_last_bucket_gathered",
+         lambda gm, ctx: keep_last_bucket_gathered(gm, ctx.options.bucket_mb, mib_to_bytes(ctx.options.max_inflight_mb)),
+         "last bucket kept gathered", frozenset({LOWERED, RECOMPUTE_TAGS}), schedules=OURS),
+    Stage("lowered"),
+)
+
+# Each graph the partitioner makes (or, for inference, AOT autograd directly).
+PARTITION = "partition"  # the report's word for the min-cut partitioner between the two lists
+INFERENCE = "AOT autograd: traced to ATen (inference: no backward)"
+PARTITIONED: tuple[Step, ...] = (
+    # A graph compiled without autograd never went through JOINT; idempotent otherwise.
+    Pass("lower_annotations", lambda gm, ctx: lower_annotations(gm), "lower", frozenset({ANNOTATIONS}), frozenset({LOWERED})),
+    Pass("bucket_collectives", lambda gm, ctx: bucket_collectives(gm, ctx.options.bucket_mb),
+         "bucket: per-parameter collectives merged into flat ones", frozenset({LOWERED}), frozenset({BUCKETS}), OURS),
+    Stage("{side}_bucketed", schedules=OURS),
+    Pass("schedule_overlap",
+         lambda gm, ctx: schedule_overlap(gm, ctx.compute_time, ctx.comm_time, mib_to_bytes(ctx.options.max_inflight_mb),
+                                          **_fsdp2_limits(ctx)),
+         "schedule: prefetch and reorder", frozenset({BUCKETS}), frozenset({ORDERED}), OURS),
+    Pass("inductor_schedule", _inductor_schedule, 'schedule "inductor": PyTorch\'s bucketing and overlap scheduler',
+         frozenset({LOWERED}), frozenset({ORDERED}), ("inductor",)),
+    # Every rank must issue the same collectives in the same order: checked last, on the final order.
+    Pass("check_ranks_agree", lambda gm, ctx: check_ranks_agree(gm, ctx.side), None, frozenset({LOWERED})),
+    Stage("{side}"),
+)
+
+SIDES = ("forward", "backward")
+
+
+def stage_names(steps: Sequence[Step], side: str = "") -> tuple[str, ...]:
+    return tuple(s.stage(side) for s in steps if isinstance(s, Stage))
+
+
+# Every stage the backend may write, in pipeline order. Inference graphs have no joint, lowered
+# or backward stages; schedules outside OURS no *_bucketed.
+STAGES: tuple[str, ...] = (
+    *stage_names(CAPTURED), *stage_names(JOINT), *(name for side in SIDES for name in stage_names(PARTITIONED, side))
+)
+
+
+def check_order(steps: Sequence[Step], given: frozenset[str] = frozenset({ANNOTATIONS}), where: str = "pipeline") -> None:
+    """Raise ValueError unless, for every schedule, each pass that runs finds what it requires
+    provided by ``given`` or by a pass that runs before it."""
+    for schedule in SCHEDULES:
+        have = set(given)
+        for step in steps:
+            if not isinstance(step, Pass) or schedule not in step.schedules:
+                continue
+            missing = step.requires - have
+            if missing:
+                raise ValueError(
+                    f"autoshard {where}: pass {step.name!r} requires {sorted(missing)}, which no pass before it "
+                    f"provides under schedule {schedule!r}; move it after the pass that provides them."
+                )
+            have |= step.provides
+
+
+def keeps_order(schedule: str) -> bool:
+    """Whether the partitioned graphs of ``schedule`` end in a scheduled order, which the inner
+    compiler must keep."""
+    return any(isinstance(s, Pass) and ORDERED in s.provides and schedule in s.schedules for s in PARTITIONED)
+
+
+def run(steps: Sequence[Step], gm: fx.GraphModule, ctx: Context, write: Callable[[str, fx.GraphModule], None]) -> fx.GraphModule:
+    """Run the steps that apply to ``ctx.options.schedule`` on ``gm`` in order; ``write(stage,
+    graph)`` at each stage."""
+    for step in steps:
+        if ctx.options.schedule not in step.schedules:
+            continue
+        if isinstance(step, Stage):
+            write(step.stage(ctx.side), gm)
+        else:
+            step.run(gm, ctx)
+    return gm
+
+
+def _sequence(side: str) -> list[Step | str]:
+    # Everything a graph of ``side`` goes through, stages resolved; PARTITION marks the partitioner.
+    resolved = [Stage(s.stage(side), s.what, s.schedules) if isinstance(s, Stage) else s for s in PARTITIONED]
+    return [*CAPTURED, *JOINT, PARTITION, *resolved]
+
+
+_JOINT_PASSES = {s.name for s in JOINT if isinstance(s, Pass)}
+
+
+def what_happened(before: str, after: str) -> str:
+    """The report's words for what the backend did between stage ``before`` and stage ``after``
+    of one graph: the steps in between that run under a schedule which writes both stages and
+    none of the stages in between (an inference graph skips the joint ones)."""
+    seq = _sequence("backward" if after.startswith("backward") else "forward")
+    names = [s.name if isinstance(s, Stage) else None for s in seq]
+    first = names.index(before)
+    between = seq[first + 1 : names.index(after) + 1]
+    skipped = [s for s in between[:-1] if isinstance(s, Stage)]
+    inference = any(s.name == "joint" for s in skipped)
+    joint_steps = set(map(id, JOINT))
+    schedules = [
+        sch for sch in SCHEDULES
+        if sch in seq[first].schedules and sch in between[-1].schedules and all(sch not in s.schedules for s in skipped if id(s) not in joint_steps)
+    ]
+    steps = [INFERENCE] if inference else []
+    for step in between:
+        if step == PARTITION:
+            steps.append(PARTITION if not inference else None)
+        elif id(step) in joint_steps if inference else id(step) not in joint_steps and step.name in _JOINT_PASSES:
+            continue  # the joint steps did not run, or (a pass run again after them) do nothing new
+        elif any(sch in step.schedules for sch in schedules):
+            steps.append(step.what)
+    return ", then ".join(s for s in steps if s)
+
+
+check_order(JOINT, where="joint pipeline")
+check_order(PARTITIONED, where="partitioned pipeline")  # inference graphs come with annotations only
