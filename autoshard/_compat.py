@@ -18,17 +18,17 @@ import torch
 import torch._dynamo
 import torch._functorch.config as functorch_config
 import torch._inductor.config as inductor_config
-from torch._dynamo.backends.common import aot_autograd
-from torch._dynamo.utils import counters as dynamo_counters
-from torch._functorch.aot_autograd import make_boxed_func
 import torch._inductor.fx_passes.overlap_preserving_bucketer as overlap_bucketer
 import torch._inductor.fx_passes.overlap_scheduling as overlap_scheduling
 import torch.utils._runtime_estimation as runtime_estimation
+from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.utils import counters as dynamo_counters
+from torch._functorch.aot_autograd import make_boxed_func
 from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 from torch._inductor.fx_passes.memory_estimator import MemoryTracker
 from torch._inductor.utils import run_and_get_code
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 from torch.distributed.distributed_c10d import _get_default_store as default_store
 from torch.distributed.distributed_c10d import _resolve_process_group as resolve_process_group
 from torch.utils._pytree import tree_leaves, tree_map, tree_map_only

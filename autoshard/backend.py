@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import fx
 from torch.distributed.tensor import DTensor
 
+from . import pipeline
 from ._compat import (
     aot_autograd,
     compile_fx,
@@ -25,7 +26,6 @@ from ._compat import (
     min_cut_rematerialization_partition,
     register_backend,
 )
-from . import pipeline
 from .consistency import fails_together
 from .cost_model import DeviceProfile, estimators, get_profile
 from .dump import GraphDump

@@ -10,7 +10,8 @@ import argparse
 from typing import Sequence
 
 from . import calibrate
-from .explain import add_arguments as explain_arguments, run as run_explain  # autoshard.explain is the function
+from .explain import add_arguments as explain_arguments  # autoshard.explain is the function
+from .explain import run as run_explain
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -180,8 +180,8 @@ def node_flops(node: fx.Node) -> int:
 
 
 def _compute_dtype(node: fx.Node) -> torch.dtype:
-    for arg in node.all_input_nodes:
-        value = arg.meta.get("val")
+    for inp in node.all_input_nodes:
+        value = inp.meta.get("val")
         if isinstance(value, torch.Tensor) and value.is_floating_point():
             return value.dtype
     return torch.float32

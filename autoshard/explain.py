@@ -66,7 +66,9 @@ def explain(model_or_factory: ModelOrFactory, *example_args: Any, world_size: in
     return reports[0]
 
 
-def explain_graphs(model_or_factory: ModelOrFactory, *example_args: Any, world_size: int = 8, profile: str = "h100", **options: Any) -> list[Report]:
+def explain_graphs(
+    model_or_factory: ModelOrFactory, *example_args: Any, world_size: int = 8, profile: str = "h100", **options: Any
+) -> list[Report]:
     """As :func:`explain`, one :class:`Report` per graph Dynamo compiled, in compile order."""
     return _explain(model_or_factory, lambda _model: example_args, world_size, profile, options)
 
@@ -181,21 +183,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "Compile one training step of FACTORY's model at --world-size ranks in this process (fake process group, "
         "fake tensors: no memory for weights), print the summary and write the report files."
     )
-    parser.add_argument("factory", metavar="FILE.py:FACTORY", help="a function returning the model (nn.Module), e.g. examples/train_gpt.py:build_model; also MODULE:FACTORY")
+    parser.add_argument("factory", metavar="FILE.py:FACTORY", help="a function returning the model (nn.Module), e.g. "
+        "examples/train_gpt.py:build_model; also MODULE:FACTORY")
     parser.add_argument("--world-size", type=int, default=8, help="ranks of the simulated world (default 8)")
-    parser.add_argument("--profile", default="h100", help="device profile: h100, a100, cpu or a .json from `autoshard calibrate` (default h100)")
-    parser.add_argument("--batch", type=int, default=1, help="sequences per rank, for models with cfg.block_size and cfg.vocab_size (default 1)")
+    parser.add_argument("--profile", default="h100", help="device profile: h100, a100, cpu or a .json from `autoshard calibrate` (default "
+        "h100)")
+    parser.add_argument("--batch", type=int, default=1, help="sequences per rank, for models with cfg.block_size and cfg.vocab_size "
+        "(default 1)")
     parser.add_argument("--seq", type=int, help="sequence length for such models (default: cfg.block_size)")
     parser.add_argument("--input-shape", type=_shape, action="append", metavar="SHAPE",
-                        help="shape of one input, like 4x16 (repeat for several inputs); required for models without cfg.block_size/vocab_size")
+                        help="shape of one input, like 4x16 (repeat for several inputs); required for models without "
+                            "cfg.block_size/vocab_size")
     parser.add_argument("--input-dtype", default="float32", help="dtype of the --input-shape inputs (default float32; e.g. long, bfloat16)")
     parser.add_argument("--schedule", choices=SCHEDULES, default="autoshard", help="backend option schedule (default autoshard)")
     parser.add_argument("--bucket-mb", type=float, help="backend option bucket_mb: cap on a bucket's size in MiB")
-    parser.add_argument("--max-inflight-mb", type=float, help="backend option max_inflight_mb: cap on gathered parameters alive at once in MiB")
-    parser.add_argument("--no-reshard-after-forward", action="store_true", help="backend option reshard_after_forward=False: keep gathered parameters for backward")
+    parser.add_argument("--max-inflight-mb", type=float, help="backend option max_inflight_mb: cap on gathered parameters alive at once in "
+        "MiB")
+    parser.add_argument("--no-reshard-after-forward", action="store_true", help="backend option reshard_after_forward=False: keep gathered "
+        "parameters for backward")
     parser.add_argument("--html", metavar="PATH", help="write the report page (self-contained HTML) here")
     parser.add_argument("--trace", metavar="PATH", help="write the simulated timeline as a Chrome trace (Perfetto, chrome://tracing) here")
-    parser.add_argument("--dump-dir", metavar="DIR", help="backend option debug_dir: every stage as Python plus report.html, trace.json, summary.txt under DIR/rank0/graph<i>/")
+    parser.add_argument("--dump-dir", metavar="DIR", help="backend option debug_dir: every stage as Python plus report.html, trace.json, "
+        "summary.txt under DIR/rank0/graph<i>/")
     parser.add_argument("--passes", action="store_true", help="also print what each pass changed")
 
 

@@ -67,7 +67,8 @@ def _buckets(items: list[tuple[nn.Parameter, Any, torch.Tensor]]) -> list[list[t
     groups: dict[tuple, list[list]] = {}
     for item in items:
         param, spec, grad = item
-        key = (spec.dim0 < 0, spec.group_name, spec.world_size, spec.reduce_dtype, param.dtype, grad.dtype, spec.replica_group, spec.replicas)
+        key = (spec.dim0 < 0, spec.group_name, spec.world_size, spec.reduce_dtype, param.dtype, grad.dtype,
+               spec.replica_group, spec.replicas)
         runs = groups.setdefault(key, [[]])
         if runs[-1] and sum(g.nbytes for _, _, g in runs[-1]) + grad.nbytes > FLUSH_BUCKET_BYTES:
             runs.append([])
@@ -88,7 +89,9 @@ def _flush(modules: list[nn.Module]) -> None:
     with torch.no_grad():
         for bucket in _buckets(pending):
             for (param, _, _), reduced in zip(bucket, _reduce_bucket(bucket)):
-                grad = DTensor.from_local(reduced, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride())
+                grad = DTensor.from_local(
+                    reduced, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+                )
                 if param.grad is None:
                     param.grad = grad
                 else:

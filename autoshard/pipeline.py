@@ -9,7 +9,7 @@ module is imported, so a misordered list fails at once instead of compiling a wr
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence, Union
 
 from torch import fx
@@ -203,7 +203,8 @@ def what_happened(before: str, after: str) -> str:
     joint_steps = set(map(id, JOINT))
     schedules = [
         sch for sch in SCHEDULES
-        if sch in seq[first].schedules and sch in between[-1].schedules and all(sch not in s.schedules for s in skipped if id(s) not in joint_steps)
+        if (sch in seq[first].schedules and sch in between[-1].schedules
+                and all(sch not in s.schedules for s in skipped if id(s) not in joint_steps))
     ]
     steps = [INFERENCE] if inference else []
     for step in between:

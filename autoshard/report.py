@@ -25,7 +25,10 @@ from ._compat import to_local_source
 from .analysis import Event, StepAnalysis, analyze
 from .cost_model import COLLECTIVE_KINDS, DeviceProfile, collective_of, get_profile
 from .pipeline import STAGES, what_happened
-from .report_html import downsample, fmt_bytes as _fmt_bytes, fmt_time as _fmt_time, render_html
+from .report_html import downsample, render_html
+from .report_html import fmt_bytes as _fmt_bytes
+from .report_html import fmt_time as _fmt_time
+
 
 def op_label(node: fx.Node) -> str:
     """A node's operation: ``aten.mm.default``, ``getitem``, ``.to_local`` (a method),
@@ -148,7 +151,9 @@ class Report:
     was compiled on is still initialised: collectives are priced by their group's ranks.
     """
 
-    def __init__(self, stages: Mapping[str, fx.GraphModule], profile: str | DeviceProfile, *, title: str = "", rank: int | None = None) -> None:
+    def __init__(
+        self, stages: Mapping[str, fx.GraphModule], profile: str | DeviceProfile, *, title: str = "", rank: int | None = None
+    ) -> None:
         if "forward" not in stages:
             raise ValueError(f"a report needs at least the 'forward' stage; got {sorted(stages)}.")
         self.stages = {s: stages[s] for s in STAGES if s in stages}
@@ -261,7 +266,8 @@ class Report:
         by_kind = lambda d, f: ", ".join(f"{k} {f(v)}" for k, v in d.items() if v) or "none"  # noqa: E731
         return [
             ("parameters", f"{m['parameters']:,}" if m["parameters"] is not None else "unknown"),
-            ("shards (this rank)", f"{m['sharded_tensors']} tensors, {_fmt_bytes(m['shard_bytes'])}" if m["shard_bytes"] is not None else "unknown"),
+            ("shards (this rank)", f"{m['sharded_tensors']} tensors, "
+                f"{_fmt_bytes(m['shard_bytes'])}" if m["shard_bytes"] is not None else "unknown"),
             ("buckets (collectives)", f"forward {m['forward_buckets']}, backward {m['backward_buckets']}"),
             ("collectives per step", f"{sum(m['collectives'].values())} ({by_kind(m['collectives'], str)})"),
             ("bytes per step", f"{_fmt_bytes(sum(m['comm_bytes'].values()))} ({by_kind(m['comm_bytes'], _fmt_bytes)})"),
@@ -290,14 +296,18 @@ class Report:
         lanes = ["stage", "compute", *sorted({e.lane for e in self.collectives()})]
         tid = {lane: i for i, lane in enumerate(lanes)}
         pid = self.rank
-        events: list[dict] = [{"ph": "M", "name": "process_name", "pid": pid, "args": {"name": f"rank {pid}: simulated step, profile {self.profile.name}"}}]
+        title = f"rank {pid}: simulated step, profile {self.profile.name}"
+        events: list[dict] = [{"ph": "M", "name": "process_name", "pid": pid, "args": {"name": title}}]
         for lane, t in tid.items():
             events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": t, "args": {"name": lane}})
             events.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": t, "args": {"sort_index": t}})
         bw = self.backward_start()
-        spans = [("forward", 0.0, bw if bw is not None else self.analysis.step_time)] + ([("backward", bw, self.analysis.step_time)] if bw is not None else [])
+        step = self.analysis.step_time
+        spans = [("forward", 0.0, step)] if bw is None else [("forward", 0.0, bw), ("backward", bw, step)]
         for name, start, end in spans:
-            events.append({"ph": "X", "cat": "stage", "name": name, "pid": pid, "tid": tid["stage"], "ts": start * us, "dur": (end - start) * us})
+            events.append(
+                {"ph": "X", "cat": "stage", "name": name, "pid": pid, "tid": tid["stage"], "ts": start * us, "dur": (end - start) * us}
+            )
         for g in self.compute_groups():
             ops = Counter(e.name.rstrip("0123456789").rstrip("_") for e in g.events)
             events.append({
@@ -307,7 +317,8 @@ class Report:
             })
         for e in self.collectives():
             events.append({
-                "ph": "X", "cat": "collective", "name": e.kind, "pid": pid, "tid": tid[e.lane], "ts": e.start * us, "dur": (e.end - e.start) * us,
+                "ph": "X", "cat": "collective", "name": e.kind, "pid": pid, "tid": tid[e.lane],
+                "ts": e.start * us, "dur": (e.end - e.start) * us,
                 "args": {"node": e.name, "stage": e.stage, "kind": e.kind, "bytes": e.nbytes, "params": list(e.params)},
             })
         for t, live in downsample(self.analysis.memory_curve, 4000):

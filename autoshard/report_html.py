@@ -68,7 +68,8 @@ _CSS = """
 body{font:14px system-ui,sans-serif;margin:24px;color:#222}h1{font-size:20px}h2{font-size:16px;margin-top:28px}
 table{border-collapse:collapse}td,th{border:1px solid #ddd;padding:3px 8px;text-align:left;vertical-align:top}
 pre{background:#f6f6f6;padding:8px;overflow:auto;max-height:600px;font-size:12px}
-svg text{font:11px system-ui,sans-serif}.lane{fill:#f3f3f3}.compute{stroke:#fff;stroke-width:.5}.compute.forward{fill:#4e79a7}.compute.backward{fill:#76b7b2}
+svg text{font:11px system-ui,sans-serif}.lane{fill:#f3f3f3}.compute{stroke:#fff;stroke-width:.5}
+.compute.forward{fill:#4e79a7}.compute.backward{fill:#76b7b2}
 .collective rect{stroke:#222;stroke-width:.5}.all_gather rect{fill:#f28e2b}.reduce_scatter rect{fill:#b07aa1}.all_reduce rect{fill:#e15759}
 .collective:hover rect{stroke-width:2}.memory{fill:none;stroke:#59a14f;stroke-width:1.5}.peak{fill:#e15759}
 .bound{stroke:#999;stroke-dasharray:4 3}.stage{stroke:#222;stroke-dasharray:6 3}.axis{stroke:#999}
@@ -162,7 +163,8 @@ def _memory(r: Report, at: _Layout) -> list[str]:
         f'<line class="bound" x1="{at.left}" x2="{at.left + at.width}" y1="{bound_y:.2f}" y2="{bound_y:.2f}">'
         f"<title>memory lower bound {fmt_bytes(a.memory_lower_bound)}</title></line>",
         f'<polyline class="memory" points="{" ".join(points)}"/>',
-        f'<circle class="peak" cx="{peak_x:.2f}" cy="{peak_y:.2f}" r="4"><title>peak {fmt_bytes(a.peak_bytes)} at {fmt_time(t_peak)}</title></circle>',
+        f'<circle class="peak" cx="{peak_x:.2f}" cy="{peak_y:.2f}" r="4"><title>peak {fmt_bytes(a.peak_bytes)} at '
+            f'{fmt_time(t_peak)}</title></circle>',
         f'<text x="{peak_x + 7:.2f}" y="{peak_y + 4:.2f}">peak {fmt_bytes(a.peak_bytes)}</text>',
     ]
 
@@ -178,7 +180,8 @@ def _timeline(r: Report) -> str:
 def _bucket_rows(r: Report) -> str:
     return "".join(
         f'<tr id="c-{e.stage}-{_esc(e.name)}"><td>{e.stage}</td><td>{e.kind}</td><td>{_esc(e.name)}</td><td>{fmt_bytes(e.nbytes)}</td>'
-        f'<td>{fmt_time(e.start)}</td><td>{fmt_time(e.end - e.start)}</td><td>{len(e.params)}</td><td class="params">{_esc(", ".join(e.params))}</td></tr>'
+        f'<td>{fmt_time(e.start)}</td><td>{fmt_time(e.end - e.start)}</td><td>{len(e.params)}</td>'
+        f'<td class="params">{_esc(", ".join(e.params))}</td></tr>'
         for e in r.collectives()
     )
 
@@ -188,7 +191,8 @@ def _stages(r: Report) -> str:
     for stage, gm in r.stages.items():
         code = r.code(stage)
         if len(code) > _MAX_CODE_CHARS:
-            code = code[:_MAX_CODE_CHARS] + f"\n# ... truncated ({len(code):,} characters); Report.code({stage!r}) or debug_dir has it all\n"
+            code = code[:_MAX_CODE_CHARS] + (
+                f"\n# ... truncated ({len(code):,} characters); Report.code({stage!r}) or debug_dir has it all\n")
         stages.append(f"<details><summary>{stage} ({len(gm.graph.nodes)} nodes)</summary><pre>{_esc(code)}</pre></details>")
     return "".join(stages)
 

@@ -10,7 +10,18 @@ from torch import fx
 from autoshard._compat import c10d
 
 from .graph_utils import (
-    GATHERED, PARAMS, call, collectives, exclusive_inputs, issue_inputs, mib_to_bytes, nbytes, positions, reorder, val, wait_of,
+    GATHERED,
+    PARAMS,
+    call,
+    collectives,
+    exclusive_inputs,
+    issue_inputs,
+    mib_to_bytes,
+    nbytes,
+    positions,
+    reorder,
+    val,
+    wait_of,
 )
 
 aten = torch.ops.aten

@@ -18,7 +18,6 @@ from autoshard._compat import patch_overlap_scheduler, schedule_overlap_bucketin
 
 from .graph_utils import collective_kind, is_wait
 
-
 # PyTorch evaluates its roofline for every compute node even when our estimate replaces it;
 # these stand in for the GPU figures it would read through Triton. Their values are unused.
 CPU_DRAM_GBPS = 20.0

@@ -72,7 +72,8 @@ def schedule_overlap(
     alive: list[tuple[int, int, int]] = []
     for j, g in enumerate(gathers):
         wanted = collective_time(g.node)
-        d = next((d for d in range(1, max_prefetch + 1) if j - d < 0 or elapsed[g.first_use] - elapsed[gathers[j - d].first_use] >= wanted), max_prefetch)
+        hides = (d for d in range(1, max_prefetch + 1) if j - d < 0 or elapsed[g.first_use] - elapsed[gathers[j - d].first_use] >= wanted)
+        d = next(hides, max_prefetch)
         while True:
             issue_at = g.first_use if d == 0 else (gathers[j - d].first_use if j - d >= 0 else 0)
             if max_inflight_bytes is None or _peak(alive, issue_at, g.last_use) + g.nbytes <= max_inflight_bytes:

@@ -20,6 +20,7 @@ from autoshard.cost_model import (
     node_flops,
     node_time,
 )
+
 from fake_pg import compile_step, fake_world
 
 WORLD = 8
@@ -152,7 +153,8 @@ def test_collectives_across_nodes_are_paced_by_the_inter_node_link():
     intra, inter = h100.intra, h100.inter
     within = collective_time("all_gather", 2**30, 8, h100)
     across = collective_time("all_gather", 2**30, 16, h100)  # two nodes of 8
-    assert across == pytest.approx(14 * intra.latency["all_gather"] + 2 * inter.latency["all_gather"] + 15 / 16 * 2**30 / inter.bandwidth["all_gather"])
+    latency = 14 * intra.latency["all_gather"] + 2 * inter.latency["all_gather"]
+    assert across == pytest.approx(latency + 15 / 16 * 2**30 / inter.bandwidth["all_gather"])
     assert across > 5 * within
     # A replica group with one rank per node (HSDP's all-reduce) crosses nodes at every step.
     replicas = collective_time("all_reduce", 2**30, [0, 8, 16, 24], h100)

@@ -11,6 +11,7 @@ import torch
 from torch import fx
 
 from autoshard._compat import c10d
+
 from fake_pg import compile_step, count, fake_world
 from models import batch, build
 

@@ -7,6 +7,7 @@ import torch
 from torch import fx
 
 from autoshard._compat import run_and_get_code
+
 from fake_pg import compile_step, same_tokens
 from gpt import GPT, GPTConfig
 

@@ -13,6 +13,7 @@ import autoshard
 from autoshard._compat import c10d, overlap_scheduler_state
 from autoshard.cost_model import estimators
 from autoshard.passes.inductor_schedule import inductor_schedule
+
 from fake_pg import captured_graphs, count, first_example, sharded_step
 from gpt import GPT, GPTConfig
 from models import batch, build

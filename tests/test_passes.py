@@ -28,6 +28,7 @@ from torch import fx, nn
 from autoshard._compat import c10d, recompute_region
 from autoshard.passes import bucket_collectives, keep_last_bucket_gathered, lower_annotations, merge_shared_parameters, schedule_overlap
 from autoshard.passes.graph_utils import PARAMS, is_op
+
 from fake_pg import compile_step
 
 WORLD = 4

@@ -22,9 +22,10 @@ from autoshard._compat import c10d
 from autoshard.launch import run_ranks
 from autoshard.ops import local_rows
 from autoshard.passes.graph_utils import collectives, positions, wait_of
+
 from fake_pg import count, fake_world, sharded_step
 from models import GLOBAL_BATCH, batch, build
-from trainer import BF16, param_error, full_optimizer_state, train_mixed_precision, train_pair
+from trainer import BF16, full_optimizer_state, param_error, train_mixed_precision, train_pair
 
 WORLD = 4
 TOL = 1e-5

@@ -21,8 +21,9 @@ from autoshard import grad_sync, ops
 from autoshard._compat import c10d
 from autoshard.launch import run_ranks
 from autoshard.passes.graph_utils import PARAMS, collectives
+
 from fake_pg import compile_step, count
-from models import batch, build
+from models import build
 from trainer import BF16, train_mixed_precision, train_pair
 
 TOL = 1e-5

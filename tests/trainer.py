@@ -12,6 +12,7 @@ from torch.distributed.tensor import DTensor
 
 import autoshard
 from autoshard._compat import dynamo_counters as counters
+
 from models import GLOBAL_BATCH, batch, build
 
 BF16 = torch.bfloat16
@@ -122,7 +123,9 @@ def _in_bf16(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor
     return torch.func.functional_call(model, params, tuple(cast))
 
 
-def train_mixed_precision(name: str, shard: Callable[[nn.Module], nn.Module], *, optimizer: str = "adamw", steps: int = 3) -> dict[str, Any]:
+def train_mixed_precision(
+    name: str, shard: Callable[[nn.Module], nn.Module], *, optimizer: str = "adamw", steps: int = 3
+) -> dict[str, Any]:
     """Train ``shard(copy of model name)`` (sharded with bfloat16 compute, float32 reduce)
     next to three single-process references: bfloat16 on the whole batch, float32 on the
     whole batch, and bfloat16 per rank slice with float32 gradients averaged over the
