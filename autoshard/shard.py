@@ -162,7 +162,11 @@ def _to_dtensor(param: nn.Parameter, mesh: DeviceMesh, placements: list[Placemen
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=full.shape, stride=stride)
 
 
-def _describe(owners: list[tuple[nn.Module, dict[str, ParamSpec]]], new: dict[int, nn.Parameter], strategy: str, mesh: DeviceMesh,
+Layouts = dict[int, tuple[nn.Parameter, list[Placement]]]  # id of a parameter to shard -> it, placements
+Owners = list[tuple[nn.Module, dict[str, ParamSpec]]]  # each module owning parameters, with their specs
+
+
+def _describe(owners: Owners, layouts: Layouts, strategy: str, mesh: DeviceMesh,
               mixed_precision: MixedPrecision | None) -> list[tuple]:
     """What must be equal on every rank: the call's settings, then every parameter's name,
     global shape, dtype, trainability and layout."""
@@ -171,7 +175,7 @@ def _describe(owners: list[tuple[nn.Module, dict[str, ParamSpec]]], new: dict[in
         for name, spec in specs.items():
             param = mod._parameters[name]
             items.append((spec.name, tuple(param.shape), str(param.dtype), param.requires_grad, spec.dim0, spec.reshard,
-                          id(param) in new))
+                          id(param) in layouts))
     return items
 
 
@@ -287,13 +291,25 @@ def shard(
         setattr(module, _SHARDED, True)
         return module
     mesh = mesh if mesh is not None else _default_mesh(module)
-    groups, split, replicated = _layout(mesh, strategy)
     if reshard_after_forward is None:
         reshard_after_forward = strategy in ("full", "hybrid")
+    # Plan every new parameter, agree, build them all, then install: nothing is half-applied.
+    layouts, owners = _plan(module, mesh, strategy, reshard_after_forward, mixed_precision)
+    # Ranks that built different models would otherwise hang or train apart: fail alike first.
+    check_same_on_all_ranks("autoshard.shard", _describe(owners, layouts, strategy, mesh, mixed_precision), mesh.device_type)
+    sharded = {key: nn.Parameter(_to_dtensor(param, mesh, placements), requires_grad=param.requires_grad)
+               for key, (param, placements) in layouts.items()}
+    _install(module, owners, sharded, mixed_precision)
+    return module
 
-    # Build every new parameter first, then install them all: nothing is half-applied.
-    layouts: dict[int, tuple[nn.Parameter, list[Placement]]] = {}
-    owners: list[tuple[nn.Module, dict[str, ParamSpec]]] = []
+
+def _plan(
+    module: nn.Module, mesh: DeviceMesh, strategy: str, reshard: bool, mixed_precision: MixedPrecision | None
+) -> tuple[Layouts, Owners]:
+    """(each new parameter's placements by id, each owning module's specs), changing nothing."""
+    groups, split, replicated = _layout(mesh, strategy)
+    layouts: Layouts = {}
+    owners: Owners = []
     for prefix, mod in module.named_modules():
         specs = {}
         for name, param in mod._parameters.items():
@@ -310,8 +326,8 @@ def shard(
             if isinstance(param, DTensor):
                 if not hasattr(param, _SPEC):
                     raise ValueError(
-                        f"parameter {fqn!r} is a DTensor that autoshard did not create; "
-                        "autoshard.shard expects plain parameters."
+                        f"autoshard.shard: parameter {fqn!r} is a DTensor that autoshard did not create; "
+                        "pass a module with plain parameters."
                     )
                 specs[name] = replace(getattr(param, _SPEC), name=fqn)
                 continue
@@ -320,15 +336,15 @@ def shard(
             param_dtype, reduce_dtype = dtypes_for(param, mixed_precision)
             dim0 = param.shape[0] if splits else -1
             specs[name] = ParamSpec(
-                dim0=dim0, reshard=reshard_after_forward and splits, name=fqn, param_dtype=param_dtype, reduce_dtype=reduce_dtype, **groups
+                dim0=dim0, reshard=reshard and splits, name=fqn, param_dtype=param_dtype, reduce_dtype=reduce_dtype, **groups
             )
         if specs:
             owners.append((mod, specs))
-    # Ranks that built different models would otherwise hang or train apart: fail alike first.
-    check_same_on_all_ranks("autoshard.shard", _describe(owners, layouts, strategy, mesh, mixed_precision), mesh.device_type)
-    sharded = {key: nn.Parameter(_to_dtensor(param, mesh, placements), requires_grad=param.requires_grad)
-               for key, (param, placements) in layouts.items()}
+    return layouts, owners
 
+
+def _install(module: nn.Module, owners: Owners, sharded: dict[int, nn.Parameter], mixed_precision: MixedPrecision | None) -> None:
+    """Put the new parameters in place and move each owner to its sharded class."""
     for mod, specs in owners:
         for name, spec in specs.items():
             old = mod._parameters[name]
@@ -344,4 +360,3 @@ def shard(
     if mixed_precision is not None and mixed_precision.param_dtype is not None and mixed_precision.cast_forward_inputs:
         module.register_forward_pre_hook(cast_inputs_hook(mixed_precision.param_dtype), with_kwargs=True)
     setattr(module, _SHARDED, True)
-    return module
