@@ -99,7 +99,10 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float | None =
             left = None if deadline is None else deadline - time.monotonic()
             if not running or left is not None and left <= 0:
                 break
-            wait(running, left)  # until a rank exits (or the deadline)
+            # Until a rank exits, but look again every second: in a full suite run a rank's exit
+            # went unnoticed until the deadline (a sentinel fires only when every copy of its
+            # pipe is closed; a process the caller forks meanwhile may hold one).
+            wait(running, 1.0 if left is None else min(left, 1.0))
         failed = failures()
         alive = [r for r, p in enumerate(procs) if p.is_alive()]
         if alive and not failed:  # a hang: ask for every thread's stack before killing
