@@ -26,7 +26,7 @@ from ._compat import (
     min_cut_rematerialization_partition,
     register_backend,
 )
-from .consistency import fails_together
+from .consistency import reports_compile_failure
 from .cost_model import DeviceProfile, estimators, get_profile
 from .dump import GraphDump
 from .options import Options, parse_options
@@ -63,7 +63,7 @@ def _profile(gm: fx.GraphModule, opts: Options) -> DeviceProfile:
     return get_profile("h100" if on_cuda else "cpu")
 
 
-@fails_together
+@reports_compile_failure
 def _finish(gm: fx.GraphModule, side: str, dump: GraphDump, opts: Options, inference: bool = False) -> fx.GraphModule:
     """Run the partitioned pipeline (:data:`autoshard.pipeline.PARTITIONED`) on one forward or
     backward graph, writing its stages (and the report once the graph's last stage is done)."""
@@ -83,7 +83,7 @@ def autoshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options
     if opts.compiler == "eager":
         return gm.forward
 
-    @fails_together
+    @reports_compile_failure
     def joint_pass(joint: fx.GraphModule, joint_inputs: Any) -> fx.GraphModule:
         return pipeline.run(pipeline.JOINT, joint, pipeline.Context(opts, "joint"), dump.write)
 

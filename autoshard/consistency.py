@@ -21,7 +21,7 @@ from torch import fx
 from autoshard.passes.graph_utils import collective_kind, group_ranks, is_wait, tensors, val
 
 from ._compat import default_store
-from .fail_together import first_failure, multi_rank
+from .fail_together import first_failure, multi_rank, recorded_failure
 
 # Every rank numbers its exchanges alike: they follow the order in which graphs are compiled.
 _exchanges = itertools.count()
@@ -31,7 +31,7 @@ _COMPILE_FAILED = "autoshard/compile_failed"
 F = TypeVar("F", bound=Callable)
 
 
-def fails_together(compile_step: F) -> F:
+def reports_compile_failure(compile_step: F) -> F:
     """Decorate a compile step that runs before the plan exchange: if it raises on one rank,
     record the error, so ranks waiting for that rank's plan raise now, not after
     ``EXCHANGE_TIMEOUT``."""
@@ -41,7 +41,7 @@ def fails_together(compile_step: F) -> F:
         try:
             return compile_step(*args, **kwargs)
         except BaseException as error:
-            if multi_rank() and not default_store().check([f"{_COMPILE_FAILED}/first"]):
+            if multi_rank():  # records only the first rank's error
                 first_failure(_COMPILE_FAILED, dist.get_rank(), error)
             raise
 
@@ -53,8 +53,8 @@ def _wait_for_plans(keys: list[str], what: str) -> None:
     store = default_store()
     deadline, pause = time.monotonic() + EXCHANGE_TIMEOUT.total_seconds(), 0.01
     while not store.check(keys):
-        if store.check([f"{_COMPILE_FAILED}/first"]):
-            failed, message = store.get(f"{_COMPILE_FAILED}/first").decode().split("\n", 1)
+        if (failure := recorded_failure(_COMPILE_FAILED)) is not None:
+            failed, message = failure
             raise RuntimeError(f"autoshard: rank {failed} failed compiling ({message}); rank {dist.get_rank()} stops "
                                f"too instead of waiting for its {what} plan.")
         if time.monotonic() > deadline:

@@ -55,6 +55,15 @@ def _clear_frames(error: BaseException | None) -> None:
         error = error.__cause__ or error.__context__
 
 
+def recorded_failure(key: str) -> tuple[int, str] | None:
+    """(rank, message) of the first failure recorded under ``key``, if any."""
+    store = default_store()
+    if not store.check([f"{key}/first"]):
+        return None
+    first, message = store.get(f"{key}/first").decode().split("\n", 1)
+    return int(first), message
+
+
 def first_failure(key: str, rank: int, error: BaseException) -> tuple[int, str]:
     """Record ``error`` under ``key`` unless another rank did first; return (rank, message) of
     the first failure."""
@@ -65,8 +74,7 @@ def first_failure(key: str, rank: int, error: BaseException) -> tuple[int, str]:
         store.wait([f"{key}/first"], _SETTLE)
     except RuntimeError:  # the first rank died before writing: name nobody
         return rank, f"{type(error).__name__}: {error}"
-    first, message = store.get(f"{key}/first").decode().split("\n", 1)
-    return int(first), message
+    return recorded_failure(key)
 
 
 @contextmanager

@@ -37,7 +37,7 @@ def exit_without_finalization(code: int = 0) -> NoReturn:
 def _rank_main(rank: int, world_size: int, init_file: str, out_dir: str, fn: Callable, args: tuple) -> None:
     # Tracebacks (and, on a crash or when the caller asks for a hang's stacks, every thread's
     # stack) go to this rank's file: the caller shows the failing rank's first.
-    err = open(os.path.join(out_dir, f"rank{rank}.err"), "w")
+    err = open(_err_file(out_dir, rank), "w")
     faulthandler.enable(file=err)
     faulthandler.register(signal.SIGUSR1, file=err, all_threads=True)
     code = 1
@@ -57,9 +57,13 @@ def _rank_main(rank: int, world_size: int, init_file: str, out_dir: str, fn: Cal
         exit_without_finalization(code)
 
 
+def _err_file(out_dir: str, rank: int) -> str:
+    return os.path.join(out_dir, f"rank{rank}.err")
+
+
 def _written_at(out_dir: str, rank: int) -> float:
     try:
-        return os.stat(os.path.join(out_dir, f"rank{rank}.err")).st_mtime
+        return os.stat(_err_file(out_dir, rank)).st_mtime
     except FileNotFoundError:
         return float("inf")
 
@@ -68,7 +72,7 @@ def _report(out_dir: str, ranks: list[int], why: dict[int, str]) -> str:
     parts = []
     for r in ranks:
         try:
-            with open(os.path.join(out_dir, f"rank{r}.err")) as f:
+            with open(_err_file(out_dir, r)) as f:
                 text = f.read().strip() or "(nothing printed)"
         except FileNotFoundError:
             text = "(had not started)"
@@ -91,6 +95,7 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float | None =
         for p in procs:
             p.start()
         deadline = None if timeout is None else time.monotonic() + timeout
+
         def failures() -> list[int]:
             return [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
 

@@ -9,7 +9,9 @@ import torch
 import torch.distributed as dist
 
 import autoshard
+import autoshard.checkpoint as ckpt
 import autoshard.pipeline as pipeline
+from autoshard.launch import run_ranks
 
 from models import batch, build
 
@@ -43,7 +45,6 @@ def _failures(folder: str) -> dict[str, tuple[str, float]]:
         torch.Tensor.numpy = numpy
 
     autoshard.save(f"{folder}/b", model)  # both ranks can save again: nothing was left broken
-    import autoshard.checkpoint as ckpt
     read = ckpt._read_checked
     if rank == 1:
         def unreadable(path):
@@ -74,8 +75,6 @@ def _failures(folder: str) -> dict[str, tuple[str, float]]:
 
 
 def test_a_rank_that_fails_fails_every_rank_within_seconds(tmp_path) -> None:
-    from autoshard.launch import run_ranks
-
     r0, r1 = run_ranks(2, _failures, str(tmp_path), timeout=300)
     # save: rank 0 raises its own error; rank 1, blocked in a DCP collective, names rank 0's.
     assert r0["save"][0] == "RuntimeError: Numpy is not available"
