@@ -24,10 +24,13 @@ def measured():
 def test_figures_positive_and_finite(measured):
     _, profile = measured
     figures = [*profile.peak_flops.values(), profile.mem_bandwidth, profile.op_overhead]
-    figures += [*profile.intra.latency.values(), *profile.intra.bandwidth.values()]
+    figures += [*profile.intra.bandwidth.values()]
     assert set(profile.peak_flops) == {"float32", "bfloat16", "float16"}
     assert set(profile.intra.latency) == set(profile.intra.bandwidth) == set(COLLECTIVE_KINDS)
     assert all(math.isfinite(x) and x > 0 for x in figures), profile
+    # The fit constrains latency to >= 0; on noisy, oversubscribed cores the bound can be active
+    # (CI on torch 2.11 fitted one kind's latency to exactly 0).
+    assert all(math.isfinite(x) and x >= 0 for x in profile.intra.latency.values()), profile
     assert 0 <= profile.comm_overlap <= 1 and 0 <= profile.launch_overhead < 1e-3
 
 
