@@ -3,16 +3,24 @@
     autoshard.shard(model)                             # parameters become per-rank shards
     model = torch.compile(model, backend="autoshard")  # the backend does the rest
 """
-from . import checkpoint, ops
-from .backend import autoshard_backend
-from .checkpoint import full_state_dict, load, save
-from .explain import explain, explain_graphs
-from .materialize import materialize, shards_in_place
-from .mixed_precision import MixedPrecision
-from .report import Report
-from .shard import shard
+import sys
+
+from autoshard.compiler.backend import autoshard_backend
+from autoshard.runtime import checkpoint, ops
+from autoshard.runtime.checkpoint import full_state_dict, load, save
+from autoshard.runtime.materialize import materialize, shards_in_place
+from autoshard.runtime.mixed_precision import MixedPrecision
+from autoshard.runtime.shard import shard
+from autoshard.tools import launch
+from autoshard.tools.explain import explain, explain_graphs
+from autoshard.tools.report import Report
 
 __all__ = [
-    "MixedPrecision", "Report", "autoshard_backend", "checkpoint", "explain", "explain_graphs", "full_state_dict", "load",
+    "MixedPrecision", "Report", "autoshard_backend", "checkpoint", "explain", "explain_graphs", "full_state_dict", "launch", "load",
     "materialize", "ops", "save", "shard", "shards_in_place",
 ]
+
+# Module paths users import (``autoshard.launch.run_ranks``, ``import autoshard.checkpoint``)
+# stay stable whichever subpackage holds the module.
+for _name, _module in {"checkpoint": checkpoint, "launch": launch, "ops": ops}.items():
+    sys.modules[f"{__name__}.{_name}"] = _module

@@ -23,8 +23,8 @@ from tabulate import tabulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import autoshard  # noqa: E402
-from autoshard.checkpoint import full_state_dict, load, save  # noqa: E402
-from autoshard.launch import run_ranks  # noqa: E402
+from autoshard.runtime.checkpoint import full_state_dict, load, save  # noqa: E402
+from autoshard.tools.launch import run_ranks  # noqa: E402
 
 from train_gpt import build_model  # noqa: E402
 

@@ -70,8 +70,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 import autoshard  # noqa: E402
 from autoshard._compat import dynamo_counters, fake_process_group, run_and_get_code  # noqa: E402
-from autoshard.dump import recording  # noqa: E402
-from autoshard.report import Report  # noqa: E402
+from autoshard.compiler.dump import recording  # noqa: E402
+from autoshard.tools.report import Report  # noqa: E402
 
 from gpt import GPT, GPTConfig  # noqa: E402
 

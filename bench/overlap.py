@@ -2,7 +2,7 @@
 
 Compiles GPT shapes from 125M to 8B parameters for world sizes from 8 to 1024 in one process
 (fake process group, fake tensors: no memory for weights or activations), then plays each schedule's final
-forward/backward graphs on the cost model's device profile (autoshard.analysis):
+forward/backward graphs on the cost model's device profile (autoshard.tools.simulator):
 
     python bench/overlap.py --quick                  # 125M at 64 ranks (~1.5 min here)
     python bench/overlap.py --json overlap.json      # every shape and world size (~30 min)
@@ -11,7 +11,7 @@ forward/backward graphs on the cost model's device profile (autoshard.analysis):
 Schedules: "none" (gather at use, reduce at the end), "fsdp2" (FSDP2's policy on the same
 buckets: prefetch the next block, one reduce-scatter in flight), "inductor" (PyTorch's own
 bucketing and overlap scheduler) and "autoshard". Gaps are to the simulator's lower bounds
-(autoshard.analysis.StepAnalysis). Weights and gradients are float32 (no mixed precision).
+(autoshard.tools.simulator.StepAnalysis). Weights and gradients are float32 (no mixed precision).
 """
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ from torch.distributed.device_mesh import init_device_mesh
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import autoshard  # noqa: E402
 from autoshard._compat import fake_process_group, fake_tensor_mode  # noqa: E402
-from autoshard.analysis import analyze  # noqa: E402
-from autoshard.dump import recording  # noqa: E402
+from autoshard.compiler.dump import recording  # noqa: E402
+from autoshard.tools.simulator import analyze  # noqa: E402
 
 from gpt import GPT, GPTConfig  # noqa: E402
 

@@ -3,7 +3,7 @@
 Starts ``world`` CPU processes on gloo for each world size, trains the same small GPT with
 each system in turn and measures, per rank, the median step time (forward + backward +
 AdamW step) and the peak memory of one steady-state step. For the autoshard rows it also
-plays the compiled forward/backward graphs on the cost model (``autoshard.analysis``) and
+plays the compiled forward/backward graphs on the cost model (``autoshard.tools.simulator``) and
 compares the prediction with the measured forward + backward time, twice: with the profile as
 given (``pred_error``), and with its compute figures measured again in the same ranks before
 the runs (``pred_error_in_run``), which separates the simulator's error from the profile's
@@ -34,12 +34,12 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import autoshard  # noqa: E402
-from autoshard import calibrate  # noqa: E402
 from autoshard._compat import dynamo_counters as counters  # noqa: E402
-from autoshard.analysis import analyze  # noqa: E402
-from autoshard.cost_model import DeviceProfile, get_profile  # noqa: E402
-from autoshard.dump import recording  # noqa: E402
-from autoshard.launch import run_ranks  # noqa: E402
+from autoshard.compiler.cost_model import DeviceProfile, get_profile  # noqa: E402
+from autoshard.compiler.dump import recording  # noqa: E402
+from autoshard.tools import calibrate  # noqa: E402
+from autoshard.tools.launch import run_ranks  # noqa: E402
+from autoshard.tools.simulator import analyze  # noqa: E402
 
 from gpt import GPT, GPTConfig  # noqa: E402
 
@@ -297,7 +297,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2,
                         help="untimed steps first: compilation in the first, optimizer state created by its step")
     parser.add_argument("--fsdp2-compile-backend", default="aot_eager", help="torch.compile backend of fsdp2_compile")
-    parser.add_argument("--profile", default="cpu", help="cost-model profile for the prediction (autoshard.cost_model.get_profile)")
+    parser.add_argument("--profile", default="cpu", help="cost-model profile for the prediction (see cost_model.get_profile)")
     parser.add_argument("--json", help="also write the rows and the configuration to this file")
     args = parser.parse_args()
     if args.warmup < 1 or args.steps < 1:

@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import autoshard  # noqa: E402
-from autoshard.launch import exit_without_finalization, run_ranks  # noqa: E402
+from autoshard.tools.launch import exit_without_finalization, run_ranks  # noqa: E402
 
 from gpt import GPT, GPTConfig  # noqa: E402
 

@@ -1,16 +1,16 @@
 """autoshard's graph passes: each a deterministic ``GraphModule -> GraphModule`` function.
 
 Installed as ``autoshard.passes``. Their order, stages and schedules are declared in
-``autoshard/pipeline.py``; in short: on the joint forward+backward graph,
+``autoshard/compiler/pipeline.py``; in short: on the joint forward+backward graph,
 merge_shared_parameters, lower_annotations and keep_last_bucket_gathered; on each
 partitioned graph, bucket_collectives then schedule_overlap (or PyTorch's own scheduler,
 inductor_schedule, as a baseline).
 """
 from .bucket import bucket_collectives, plan_buckets
 from .inductor_schedule import inductor_schedule
+from .keep_gathered import keep_last_bucket_gathered
 from .lower import lower_annotations
 from .merge_shared import merge_shared_parameters
-from .reshard import keep_last_bucket_gathered
 from .schedule import schedule_overlap
 
 __all__ = [

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import fx
 
 from autoshard._compat import c10d, optimization_hint, resolve_process_group, tree_leaves, tree_map
-from autoshard.ops import arguments
+from autoshard.runtime.ops import arguments
 
 # node.meta keys the passes share.
 PARAMS = "autoshard_params"  # on a collective: names of the parameters it moves (a tuple)

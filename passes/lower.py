@@ -5,7 +5,7 @@ import torch
 from torch import fx
 
 from autoshard._compat import c10d, must_recompute
-from autoshard.ops import chunk_rows
+from autoshard.runtime.ops import chunk_rows
 
 from .graph_utils import PARAMS, arg, call, is_op, is_view, val
 

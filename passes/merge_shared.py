@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from autoshard.ops import arguments
+from autoshard.runtime.ops import arguments
 
 from .graph_utils import arg, call, is_op, val
 

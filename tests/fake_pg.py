@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import autoshard
 from autoshard._compat import fake_process_group, fake_tensor_mode
-from autoshard.dump import recording
+from autoshard.compiler.dump import recording
 
 from models import batch, build
 

@@ -8,7 +8,7 @@ from importlib.metadata import entry_points
 import pytest
 import torch
 
-from autoshard.options import Options, parse_options
+from autoshard.compiler.options import Options, parse_options
 
 
 def test_registered_as_a_dynamo_entry_point():

@@ -9,8 +9,8 @@ from dataclasses import replace
 
 import pytest
 
-from autoshard import calibrate
-from autoshard.cost_model import COLLECTIVE_KINDS, Link, collective_time, get_profile
+from autoshard.compiler.cost_model import COLLECTIVE_KINDS, Link, collective_time, get_profile
+from autoshard.tools import calibrate
 
 SIZES = (16 * 2**10, 2**20, 8 * 2**20)
 

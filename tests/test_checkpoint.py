@@ -15,9 +15,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import autoshard
-import autoshard.checkpoint as ckpt
-from autoshard.checkpoint import full_state_dict, load, save
-from autoshard.launch import run_ranks
+import autoshard.runtime.checkpoint as ckpt
+from autoshard.runtime.checkpoint import full_state_dict, load, save
+from autoshard.tools.launch import run_ranks
 
 from gpt import GPT, GPTConfig
 from models import GLOBAL_BATCH, batch, build

@@ -11,8 +11,7 @@ import torch.distributed as dist
 from torch import fx
 
 from autoshard._compat import c10d
-from autoshard.analysis import analyze
-from autoshard.cost_model import (
+from autoshard.compiler.cost_model import (
     PROFILES,
     collective_of,
     collective_time,
@@ -20,6 +19,7 @@ from autoshard.cost_model import (
     node_flops,
     node_time,
 )
+from autoshard.tools.simulator import analyze
 
 from fake_pg import compile_step, fake_world
 

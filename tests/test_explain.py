@@ -17,10 +17,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import autoshard
-from autoshard.analysis import analyze
-from autoshard.cli import main
-from autoshard.explain import add_arguments
-from autoshard.report import STAGES, Report, _fmt_bytes, _fmt_time
+from autoshard.tools.cli import main
+from autoshard.tools.explain import add_arguments
+from autoshard.tools.report import STAGES, Report, _fmt_bytes, _fmt_time
+from autoshard.tools.simulator import analyze
 
 from fake_pg import fake_world, same_tokens, sharded_step
 from models import build

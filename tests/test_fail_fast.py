@@ -9,9 +9,9 @@ import torch
 import torch.distributed as dist
 
 import autoshard
-import autoshard.checkpoint as ckpt
-import autoshard.pipeline as pipeline
-from autoshard.launch import run_ranks
+import autoshard.compiler.pipeline as pipeline
+import autoshard.runtime.checkpoint as ckpt
+from autoshard.tools.launch import run_ranks
 
 from models import batch, build
 

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 import autoshard
-from autoshard.launch import run_ranks
+from autoshard.tools.launch import run_ranks
 
 from gpt import GPT, GPTConfig
 from models import build

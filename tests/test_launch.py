@@ -6,7 +6,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from autoshard.launch import run_ranks
+from autoshard.tools.launch import run_ranks
 
 
 def _rank_and_world() -> tuple[int, int]:

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 import autoshard
-from autoshard.launch import run_ranks
+from autoshard.tools.launch import run_ranks
 
 from models import batch, build
 from trainer import OPTIMIZERS, train_pair

@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 from torch import fx
 
-from autoshard import pipeline
-from autoshard.options import Options
-from autoshard.report import STAGES
+from autoshard.compiler import pipeline
+from autoshard.compiler.options import Options
+from autoshard.tools.report import STAGES
 
 
 def test_the_stages_keep_their_names_and_order():

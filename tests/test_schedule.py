@@ -6,9 +6,9 @@ import torch
 from torch import fx
 
 from autoshard._compat import c10d
-from autoshard.analysis import analyze
-from autoshard.consistency import plan_signature
+from autoshard.compiler.consistency import plan_signature
 from autoshard.passes.graph_utils import PARAMS, collectives, outputs_of, wait_of
+from autoshard.tools.simulator import analyze
 
 from fake_pg import compile_step, same_tokens
 from gpt import GPT, GPTConfig

@@ -19,9 +19,9 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import autoshard
 from autoshard._compat import c10d
-from autoshard.launch import run_ranks
-from autoshard.ops import local_rows
 from autoshard.passes.graph_utils import collectives, positions, wait_of
+from autoshard.runtime.ops import local_rows
+from autoshard.tools.launch import run_ranks
 
 from fake_pg import count, fake_world, sharded_step
 from models import GLOBAL_BATCH, batch, build

@@ -17,10 +17,10 @@ import torch.distributed as dist
 from torch import fx
 
 import autoshard
-from autoshard import grad_sync, ops
 from autoshard._compat import c10d
-from autoshard.launch import run_ranks
 from autoshard.passes.graph_utils import PARAMS, collectives
+from autoshard.runtime import grad_sync, ops
+from autoshard.tools.launch import run_ranks
 
 from fake_pg import compile_step, count
 from models import build

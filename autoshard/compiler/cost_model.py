@@ -16,9 +16,8 @@ import torch.distributed as dist
 from torch import fx
 from torch.utils.flop_counter import flop_registry
 
+from autoshard._compat import optimization_hint
 from autoshard.passes.graph_utils import COLLECTIVE_KINDS, arg, collective_kind, group_ranks, is_view, is_wait, tensor_bytes, tensors
-
-from ._compat import optimization_hint
 
 aten = torch.ops.aten
 

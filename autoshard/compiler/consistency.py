@@ -14,14 +14,12 @@ import time
 from datetime import timedelta
 from typing import Callable, TypeVar
 
-import torch
 import torch.distributed as dist
 from torch import fx
 
+from autoshard._compat import default_store
 from autoshard.passes.graph_utils import collective_kind, group_ranks, is_wait, tensors, val
-
-from ._compat import default_store
-from .fail_together import first_failure, multi_rank, recorded_failure
+from autoshard.runtime.fail_together import first_failure, multi_rank, recorded_failure
 
 # Every rank numbers its exchanges alike: they follow the order in which graphs are compiled.
 _exchanges = itertools.count()
@@ -123,37 +121,3 @@ def check_ranks_agree(gm: fx.GraphModule, what: str) -> None:
             "Running it would hang. Make every rank run the same model code with the same shapes and options "
             "(per-rank branches or per-rank input shapes split the plan)."
         )
-
-
-def _digest(items: list) -> int:
-    return int.from_bytes(hashlib.sha256(repr(items).encode()).digest()[:8], "little", signed=True)
-
-
-def _first_difference(mine: list, theirs: list) -> int:
-    return next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs)))
-
-
-def check_same_on_all_ranks(what: str, items: list, device: str) -> None:
-    """Raise the same ``ValueError`` on every rank unless all ranks pass equal ``items``.
-
-    One all-gather of a hash (on ``device``, the default group's); only when hashes differ are
-    the lists themselves exchanged, so that every rank can name the first difference between
-    rank 0 and the first rank that differs from it.
-    """
-    if not multi_rank():
-        return
-    world = dist.get_world_size()
-    digests = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
-    dist.all_gather(digests, torch.tensor([_digest(items)], dtype=torch.int64, device=device))
-    if len({int(d) for d in digests}) == 1:
-        return
-    every: list[list] = [[] for _ in range(world)]
-    dist.all_gather_object(every, items)
-    other = next(r for r in range(1, world) if every[r] != every[0])
-    i = _first_difference(every[0], every[other])
-    has = lambda r: repr(every[r][i]) if i < len(every[r]) else "nothing more"  # noqa: E731
-    raise ValueError(
-        f"{what}: ranks disagree on what to shard; first difference, at entry {i}: rank 0 has {has(0)}, "
-        f"rank {other} has {has(other)}. Every rank must build the same model (same config, same code path) "
-        "and call it with the same arguments."
-    )

@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
-from .shard import ShardedModule, local_chunk, parameters_as_shards
+from autoshard.runtime.shard import ShardedModule, local_chunk, parameters_as_shards
 
 # In-place random fills of Tensor; each draws from the default generator.
 _RANDOM_FILLS = {"uniform_", "normal_", "bernoulli_", "random_", "exponential_", "geometric_", "cauchy_", "log_normal_"}

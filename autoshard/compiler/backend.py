@@ -15,8 +15,7 @@ import torch.distributed as dist
 from torch import fx
 from torch.distributed.tensor import DTensor
 
-from . import pipeline
-from ._compat import (
+from autoshard._compat import (
     aot_autograd,
     compile_fx,
     compile_fx_inner,
@@ -26,10 +25,11 @@ from ._compat import (
     min_cut_rematerialization_partition,
     register_backend,
 )
-from .consistency import reports_compile_failure
-from .cost_model import DeviceProfile, estimators, get_profile
-from .dump import GraphDump
-from .options import Options, parse_options
+from autoshard.compiler import pipeline
+from autoshard.compiler.consistency import reports_compile_failure
+from autoshard.compiler.cost_model import DeviceProfile, estimators, get_profile
+from autoshard.compiler.dump import GraphDump
+from autoshard.compiler.options import Options, parse_options
 
 _warned_unsharded = False
 
@@ -65,7 +65,7 @@ def _profile(gm: fx.GraphModule, opts: Options) -> DeviceProfile:
 
 @reports_compile_failure
 def _finish(gm: fx.GraphModule, side: str, dump: GraphDump, opts: Options, inference: bool = False) -> fx.GraphModule:
-    """Run the partitioned pipeline (:data:`autoshard.pipeline.PARTITIONED`) on one forward or
+    """Run the partitioned pipeline (:data:`autoshard.compiler.pipeline.PARTITIONED`) on one forward or
     backward graph, writing its stages (and the report once the graph's last stage is done)."""
     compute_time, comm_time = estimators(_profile(gm, opts))
     pipeline.run(pipeline.PARTITIONED, gm, pipeline.Context(opts, side, compute_time, comm_time), dump.write)

@@ -56,7 +56,7 @@ class Options:
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
                 raise ValueError(f"autoshard option {name!r} must be a positive number of MiB, got {value!r}.")
         if self.profile is not None:
-            from .cost_model import get_profile
+            from autoshard.compiler.cost_model import get_profile
 
             try:
                 get_profile(self.profile)

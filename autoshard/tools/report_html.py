@@ -1,5 +1,5 @@
 """The report's HTML page: one self-contained file (inline SVG and CSS, no script, nothing
-fetched) drawn from a :class:`autoshard.report.Report`, and the number formats the report's
+fetched) drawn from a :class:`autoshard.tools.report.Report`, and the number formats the report's
 text shares with it."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .report import Report
+    from autoshard.tools.report import Report
 
 _MAX_CODE_CHARS = 500_000  # per stage in the HTML page; an 8B model's joint graph is tens of MB
 
@@ -198,7 +198,7 @@ def _stages(r: Report) -> str:
 
 
 def render_html(r: Report) -> str:
-    """The page of :meth:`autoshard.report.Report.html`: summary, timeline, memory curve,
+    """The page of :meth:`autoshard.tools.report.Report.html`: summary, timeline, memory curve,
     buckets, passes and stage code."""
     rows = "".join(f"<tr><td>{_esc(k)}</td><td>{_esc(v)}</td></tr>" for k, v in r.summary_rows())
     passes = "".join(f"<li>{_esc(p.text())}</li>" for p in r.passes)

@@ -14,6 +14,9 @@ from typing import Any, Callable, Sequence, Union
 
 from torch import fx
 
+from autoshard._compat import save_random_ops_in_checkpoints
+from autoshard.compiler.consistency import check_ranks_agree
+from autoshard.compiler.options import SCHEDULES
 from autoshard.passes import (
     bucket_collectives,
     inductor_schedule,
@@ -23,10 +26,6 @@ from autoshard.passes import (
     schedule_overlap,
 )
 from autoshard.passes.graph_utils import is_copy, mib_to_bytes
-
-from ._compat import save_random_ops_in_checkpoints
-from .consistency import check_ranks_agree
-from .options import SCHEDULES
 
 # What a graph holds, as passes require and provide it.
 ANNOTATIONS = "annotation ops"  # every graph starts with them (Dynamo captured the property reads)

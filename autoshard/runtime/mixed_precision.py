@@ -12,7 +12,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ._compat import tree_map_only
+from autoshard._compat import tree_map_only
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from . import ops
+from autoshard.runtime import ops
 
 SYNC = "_autoshard_sync"  # on each module owning sharded parameters: whether backward reduces
 SINKS = "_autoshard_sinks"  # on the same modules: parameter name -> sink tensor

@@ -64,9 +64,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from ._compat import DCP_METADATA_CLASSES
-from .fail_together import fail_together
-from .shard import parameters_as_shards
+from autoshard._compat import DCP_METADATA_CLASSES
+from autoshard.runtime.fail_together import fail_together
+from autoshard.runtime.shard import parameters_as_shards
 
 __all__ = ["save", "load", "full_state_dict"]
 

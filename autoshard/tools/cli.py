@@ -9,9 +9,9 @@ from __future__ import annotations
 import argparse
 from typing import Sequence
 
-from . import calibrate
-from .explain import add_arguments as explain_arguments  # autoshard.explain is the function
-from .explain import run as run_explain
+from autoshard.tools import calibrate
+from autoshard.tools.explain import add_arguments as explain_arguments  # autoshard.explain is the function
+from autoshard.tools.explain import run as run_explain
 
 
 def main(argv: Sequence[str] | None = None) -> int:

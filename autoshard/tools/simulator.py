@@ -12,9 +12,8 @@ from dataclasses import dataclass, field
 
 from torch import fx
 
+from autoshard.compiler.cost_model import DeviceProfile, collective_of, collective_time, get_profile, node_time
 from autoshard.passes.graph_utils import COLLECTIVE_KINDS, GATHERED, PARAMS, collective_kind, is_view, is_wait, tensor_bytes
-
-from .cost_model import DeviceProfile, collective_of, collective_time, get_profile, node_time
 
 
 @dataclass(frozen=True)

@@ -8,13 +8,13 @@ import itertools
 import os
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch.distributed as dist
 from torch import fx
 
 if TYPE_CHECKING:
-    from .cost_model import DeviceProfile
+    from autoshard.compiler.cost_model import DeviceProfile
 
 _graph_ids = itertools.count()
 _recordings: list[list[dict[str, fx.GraphModule]]] = []
@@ -58,14 +58,19 @@ class GraphDump:
             (self.folder / f"{stage}.py").write_text(code)
 
     def write_report(self, profile: str | DeviceProfile) -> None:
-        """With a debug_dir: ``report.html``, ``trace.json`` and ``summary.txt`` of the stages
-        written so far (:class:`autoshard.report.Report`). A report that fails only warns: it
-        must not stop the compile it describes."""
+        """With a debug_dir: hand the stages written so far to every :data:`REPORT_WRITERS`
+        entry (``autoshard.tools.report`` adds ``report.html``, ``trace.json`` and
+        ``summary.txt``). A report that fails only warns: it must not stop the compile it
+        describes."""
         if self.folder is None:
             return
-        from .report import Report
+        for write in REPORT_WRITERS:
+            try:
+                write(self.stages, profile, self.folder)
+            except Exception as e:  # noqa: BLE001
+                warnings.warn(f"autoshard: could not write the report in {self.folder}: {type(e).__name__}: {e}", stacklevel=2)
 
-        try:
-            Report(self.stages, profile, title=str(self.folder)).save(self.folder)
-        except Exception as e:  # noqa: BLE001
-            warnings.warn(f"autoshard: could not write the report in {self.folder}: {type(e).__name__}: {e}", stacklevel=2)
+
+# What turns a graph's stages into reports next to them. The tools layer registers itself here
+# (importing autoshard does), so the compiler never imports the tools that read its output.
+REPORT_WRITERS: list[Callable[[dict[str, fx.GraphModule], "str | DeviceProfile", Path], None]] = []

@@ -30,7 +30,7 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from ._compat import c10d
+from autoshard._compat import c10d
 
 
 def arguments(op: torch._ops.OpOverload, args: Sequence[Any], kwargs: Mapping[str, Any] | None = None) -> dict[str, Any]:

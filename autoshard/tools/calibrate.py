@@ -1,4 +1,4 @@
-"""Measure this machine and fit a :class:`~autoshard.cost_model.DeviceProfile` to it
+"""Measure this machine and fit a :class:`~autoshard.compiler.cost_model.DeviceProfile` to it
 (``python -m autoshard calibrate``).
 
 What is measured, on ``w`` gloo ranks spawned on this machine for each world size ``w``; each
@@ -9,7 +9,7 @@ taken under the contention training sees:
   call; median over repeats, then median over ranks): matmul FLOP/s per dtype (square ``mm``,
   ``2 n^3 / t``, ``n`` doubled from 128 until a warm call takes a millisecond), memory bandwidth
   (``torch.add(a, b, out=c)`` on 64 MiB tensors: input + output bytes / t, the bytes
-  :func:`~autoshard.cost_model.node_time` counts) and launch overhead (``torch.add`` on
+  :func:`~autoshard.compiler.cost_model.node_time` counts) and launch overhead (``torch.add`` on
   1-element tensors, per call);
 - collectives, at every world size: the functional ``all_gather_into_tensor``,
   ``reduce_scatter_tensor`` and ``all_reduce`` compiled graphs run (issue, then ``wait_tensor``)
@@ -19,7 +19,7 @@ taken under the contention training sees:
 
 How it is fitted: per collective kind, one latency (per ring step) and one bus bandwidth, by
 least squares over all sizes and world sizes of that kind on the single-node formula of
-:func:`~autoshard.cost_model.collective_time`, ``t = m * ((n-1) * latency + (n-1)/n * nbytes /
+:func:`~autoshard.compiler.cost_model.collective_time`, ``t = m * ((n-1) * latency + (n-1)/n * nbytes /
 bandwidth)`` (m = 2 for all_reduce, else 1). Residuals are relative (each row divided by its
 measured time), so 4 KiB and 16 MiB collectives weigh alike; the fit is non-negative
 (latency >= 0, 1/bandwidth >= 1e-15). :func:`fit_report` compares the fit with the measurements.
@@ -40,9 +40,9 @@ import torch
 import torch.distributed as dist
 from tabulate import tabulate
 
-from ._compat import all_gather_single, c10d
-from .cost_model import COLLECTIVE_KINDS, DeviceProfile, Link, collective_time
-from .launch import run_ranks
+from autoshard._compat import all_gather_single, c10d
+from autoshard.compiler.cost_model import COLLECTIVE_KINDS, DeviceProfile, Link, collective_time
+from autoshard.tools.launch import run_ranks
 
 DEFAULT_SIZES = tuple(4096 * 4**i for i in range(7))  # 4 KiB .. 16 MiB
 QUICK_SIZES = tuple(4096 * 16**i for i in range(4))  # 4 KiB, 64 KiB, 1 MiB, 16 MiB

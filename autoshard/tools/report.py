@@ -1,8 +1,8 @@
 """What the backend did to one compiled graph: its stages as code, what each pass changed, and
-one simulated training step (:mod:`autoshard.analysis`) as a table, an HTML page and a Chrome
+one simulated training step (:mod:`autoshard.tools.simulator`) as a table, an HTML page and a Chrome
 trace.
 
-A :class:`Report` is built from the stage copies that :func:`autoshard.dump.recording` collects
+A :class:`Report` is built from the stage copies that :func:`autoshard.compiler.dump.recording` collects
 (or that a ``debug_dir`` compile keeps); :func:`autoshard.explain` makes one without a cluster.
 """
 from __future__ import annotations
@@ -18,16 +18,16 @@ import torch.distributed as dist
 from tabulate import tabulate
 from torch import fx
 
+from autoshard._compat import to_local_source
+from autoshard.compiler import dump
+from autoshard.compiler.cost_model import COLLECTIVE_KINDS, DeviceProfile, collective_of, get_profile
+from autoshard.compiler.pipeline import STAGES, what_happened
 from autoshard.passes.bucket import block_of
 from autoshard.passes.graph_utils import PARAMS, arg
-
-from ._compat import to_local_source
-from .analysis import Event, StepAnalysis, analyze
-from .cost_model import COLLECTIVE_KINDS, DeviceProfile, collective_of, get_profile
-from .pipeline import STAGES, what_happened
-from .report_html import downsample, render_html
-from .report_html import fmt_bytes as _fmt_bytes
-from .report_html import fmt_time as _fmt_time
+from autoshard.tools.report_html import downsample, render_html
+from autoshard.tools.report_html import fmt_bytes as _fmt_bytes
+from autoshard.tools.report_html import fmt_time as _fmt_time
+from autoshard.tools.simulator import Event, StepAnalysis, analyze
 
 
 def op_label(node: fx.Node) -> str:
@@ -145,7 +145,7 @@ class Report:
     """Stages, pass summaries and the simulated step of one compiled graph (one rank).
 
     ``stages``: stage name -> graph, in :data:`STAGES` order (copies; never modified).
-    ``analysis``: :func:`autoshard.analysis.analyze` of the final forward and backward (no
+    ``analysis``: :func:`autoshard.tools.simulator.analyze` of the final forward and backward (no
     backward for an inference graph) on ``profile``; ``metrics`` and every table, page and
     trace are read from it, never recomputed. Build it while the process group the graph
     was compiled on is still initialised: collectives are priced by their group's ranks.
@@ -345,3 +345,10 @@ class Report:
         self.save_html(folder / "report.html")
         self.save_chrome_trace(folder / "trace.json")
         (folder / "summary.txt").write_text(self.summary() + "\n\n" + "\n".join(p.text() for p in self.passes) + "\n")
+
+
+def _write_report(stages: Mapping[str, fx.GraphModule], profile: str | DeviceProfile, folder: Path) -> None:
+    Report(stages, profile, title=str(folder)).save(folder)
+
+
+dump.REPORT_WRITERS.append(_write_report)  # the backend's debug_dir reports

@@ -1,5 +1,5 @@
 """``autoshard.explain``: run the whole pipeline on one process, without a cluster or memory
-for weights, and report what the backend did (:class:`autoshard.report.Report`).
+for weights, and report what the backend did (:class:`autoshard.tools.report.Report`).
 
     report = autoshard.explain(build_model, tokens, tokens, world_size=64)
     print(report.summary()); report.save_html("gpt.html")
@@ -23,11 +23,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from ._compat import fake_process_group, fake_tensor_mode, tree_leaves
-from .dump import recording
-from .options import SCHEDULES, parse_options
-from .report import Report
-from .shard import _SHARDED, shard
+from autoshard._compat import fake_process_group, fake_tensor_mode, tree_leaves
+from autoshard.compiler.dump import recording
+from autoshard.compiler.options import SCHEDULES, parse_options
+from autoshard.runtime.shard import _SHARDED, shard
+from autoshard.tools.report import Report
 
 ModelOrFactory = nn.Module | Callable[[], nn.Module]
 

@@ -29,9 +29,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
-from . import grad_sync, ops
-from .consistency import check_same_on_all_ranks
-from .mixed_precision import MixedPrecision, cast_inputs_hook, dtypes_for
+from autoshard.runtime import grad_sync, ops
+from autoshard.runtime.fail_together import check_same_on_all_ranks
+from autoshard.runtime.mixed_precision import MixedPrecision, cast_inputs_hook, dtypes_for
 
 _SHARDED = "_autoshard_root"  # set on every module passed to shard()
 STRATEGIES = ("full", "grad_op", "replicate", "hybrid")

@@ -15,19 +15,24 @@ Why a group of its own: a gloo group's connections close only when its last refe
 (``abort()`` and ``shutdown()`` leave a pending peer waiting), so the failing rank must drop
 every reference to it, the frames of its traceback included; the user's groups are not ours
 to close.
+
+:func:`check_same_on_all_ranks` is the same promise for decisions: ranks that would disagree
+on what to shard raise the same error together instead of hanging in mismatched collectives.
 """
 from __future__ import annotations
 
 import gc
+import hashlib
 import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Iterator
 
+import torch
 import torch.distributed as dist
 
-from ._compat import default_store
+from autoshard._compat import default_store
 
 # How long a rank whose collective broke waits for the failing rank's message.
 _SETTLE = timedelta(seconds=10)
@@ -116,3 +121,37 @@ def _close(link: Link, error: BaseException) -> None:
         pass
     del group
     gc.collect()  # the group may sit in a reference cycle
+
+
+def _digest(items: list) -> int:
+    return int.from_bytes(hashlib.sha256(repr(items).encode()).digest()[:8], "little", signed=True)
+
+
+def _first_difference(mine: list, theirs: list) -> int:
+    return next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs)))
+
+
+def check_same_on_all_ranks(what: str, items: list, device: str) -> None:
+    """Raise the same ``ValueError`` on every rank unless all ranks pass equal ``items``.
+
+    One all-gather of a hash (on ``device``, the default group's); only when hashes differ are
+    the lists themselves exchanged, so that every rank can name the first difference between
+    rank 0 and the first rank that differs from it.
+    """
+    if not multi_rank():
+        return
+    world = dist.get_world_size()
+    digests = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
+    dist.all_gather(digests, torch.tensor([_digest(items)], dtype=torch.int64, device=device))
+    if len({int(d) for d in digests}) == 1:
+        return
+    every: list[list] = [[] for _ in range(world)]
+    dist.all_gather_object(every, items)
+    other = next(r for r in range(1, world) if every[r] != every[0])
+    i = _first_difference(every[0], every[other])
+    has = lambda r: repr(every[r][i]) if i < len(every[r]) else "nothing more"  # noqa: E731
+    raise ValueError(
+        f"{what}: ranks disagree on what to shard; first difference, at entry {i}: rank 0 has {has(0)}, "
+        f"rank {other} has {has(other)}. Every rank must build the same model (same config, same code path) "
+        "and call it with the same arguments."
+    )
