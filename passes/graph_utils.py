@@ -161,32 +161,34 @@ def issue_inputs(node: fx.Node) -> list[fx.Node]:
     return sorted(group, key=order.__getitem__)
 
 
-def reorder(gm: fx.GraphModule, priority: dict[fx.Node, float]) -> fx.GraphModule:
-    """Put the nodes in the topological order that follows ``priority`` (lower first) as
-    closely as dependencies allow; nodes without a priority keep their current position.
-
-    Guarantees a valid order; deterministic (ties keep the current order).
-    """
-    graph = gm.graph
+def ordered(graph: fx.Graph, priority: dict[fx.Node, float]) -> list[fx.Node]:
+    """The graph's nodes but the output, in the topological order that follows ``priority``
+    (lower first) as closely as dependencies allow; nodes without a priority keep their
+    current position. Deterministic (ties keep the current order); changes nothing."""
     nodes = [n for n in graph.nodes if n.op != "output"]
     index = {n: i for i, n in enumerate(nodes)}
     key = {n: (priority.get(n, float(i)), i) for n, i in index.items()}
     missing = {n: sum(1 for a in n.all_input_nodes if a in index) for n in nodes}
-    ready = [key[n] + (n.name,) for n in nodes if missing[n] == 0]
-    by_name = {n.name: n for n in nodes}
+    ready = [key[n] for n in nodes if missing[n] == 0]
     heapq.heapify(ready)
     order: list[fx.Node] = []
     while ready:
-        node = by_name[heapq.heappop(ready)[-1]]
+        node = nodes[heapq.heappop(ready)[1]]
         order.append(node)
         for user in node.users:
             if user in missing:
                 missing[user] -= 1
                 if missing[user] == 0:
-                    heapq.heappush(ready, key[user] + (user.name,))
+                    heapq.heappush(ready, key[user])
     assert len(order) == len(nodes), "graph has a cycle"
+    return order
+
+
+def reorder(gm: fx.GraphModule, priority: dict[fx.Node, float]) -> fx.GraphModule:
+    """Put the nodes in :func:`ordered`'s order. Guarantees a valid order; deterministic."""
+    graph = gm.graph
     output = graph.output_node()
-    for node in order:
+    for node in ordered(graph, priority):
         output.prepend(node)
     graph.lint()
     gm.recompile()

@@ -1,13 +1,35 @@
-"""Overlap scheduling: issue collectives early and wait late, within a memory bound."""
+"""Overlap scheduling: issue collectives early and wait late, within a memory budget."""
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from torch import fx
 
 from autoshard._compat import c10d
 
-from .graph_utils import GATHERED, collectives, exclusive_inputs, issue_inputs, nbytes, outputs_of, positions, reorder, wait_of
+from .graph_utils import GATHERED, collectives, exclusive_inputs, issue_inputs, nbytes, ordered, outputs_of, positions, reorder, wait_of
+from .step_model import Workspace, no_workspace, peak_bytes, step_time
+
+PLAN = "autoshard_schedule"  # gm.meta key: the chosen SchedulePlan, for explain and the report
+
+
+@dataclass(frozen=True)
+class SchedulePlan:
+    """One graph's schedule decisions and what the step model predicts for them.
+
+    distances: per gather bucket (graph order), how many buckets ahead it is issued (0:
+        gathered at its first use). reduces_in_flight: reductions of one kind issued before
+        the oldest is waited for. peak_bytes: the graph's live peak plus ``outside_bytes``.
+    """
+
+    distances: tuple[int, ...]
+    reduces_in_flight: int
+    peak_bytes: int = 0
+    step_time: float = 0.0
+    budget_bytes: int | None = None
+    forced: tuple[str, ...] = ()  # what the budget changed, in words
+    peak_at: float = 0.0  # where the peak is, as a position of the graph before scheduling
 
 
 class _Gather:
@@ -29,6 +51,80 @@ def _peak(intervals: list[tuple[int, int, int]], lo: int, hi: int) -> int:
     return max(sum(b for s, e, b in intervals if s <= p <= e) for p in points)
 
 
+class _Graph:
+    """A bucketed graph's collectives, measured once; :meth:`priorities` places them for a plan."""
+
+    def __init__(self, gm: fx.GraphModule, compute_time: Callable[[fx.Node], float]) -> None:
+        graph = gm.graph
+        self.graph = graph
+        self.pos = pos = positions(graph.nodes)
+        self.gathers = [_Gather(g, pos) for g in collectives(graph, c10d.all_gather_into_tensor.default)]
+        # Reduce-scatters first: all-reduces may wait for them, never the other way round.
+        self.reduce_kinds = [collectives(graph, op) for op in (c10d.reduce_scatter_tensor.default, c10d.all_reduce.default)]
+        moved = {n for g in self.gathers for n in (*g.issue, *g.outputs)}
+        self.reduce_issue = [[exclusive_inputs(r) + [r] for r in reduces] for reduces in self.reduce_kinds]
+        self.reduce_outputs = [[outputs_of(wait_of(r)) for r in reduces] for reduces in self.reduce_kinds]
+        moved |= {n for kind in self.reduce_issue + self.reduce_outputs for group in kind for n in group}
+        # Compute time before each position, over the nodes that stay in place.
+        self.elapsed, total = [], 0.0
+        for node in graph.nodes:
+            self.elapsed.append(total)
+            if node not in moved:
+                total += compute_time(node)
+
+    def issue_at(self, j: int, d: int) -> int:
+        g = self.gathers[j]
+        return g.first_use if d == 0 else (self.gathers[j - d].first_use if j - d >= 0 else 0)
+
+    def hiding_distance(self, j: int, wanted: float, max_prefetch: int) -> int:
+        """The smallest distance whose compute covers ``wanted`` seconds of gather (at most max_prefetch)."""
+        first = self.elapsed[self.gathers[j].first_use]
+        hides = (d for d in range(1, max_prefetch + 1) if j - d < 0 or first - self.elapsed[self.gathers[j - d].first_use] >= wanted)
+        return next(hides, max_prefetch)
+
+    def priorities(self, plan: SchedulePlan) -> dict[fx.Node, float]:
+        priority: dict[fx.Node, float] = {n: float(p) for n, p in self.pos.items()}
+        for j, (g, d) in enumerate(zip(self.gathers, plan.distances)):
+            # At one point, the wait of the bucket used there comes first, then the issues (in
+            # bucket order): the comm stream runs them one after another anyway, and a gather
+            # issued before the previous one's wait would hold two in flight (two workspaces).
+            for n in g.issue:
+                priority[n] = self.issue_at(j, d) - 0.25 + j * 1e-6
+            for n in g.outputs:
+                priority[n] = g.first_use - 0.5
+        end = float(len(self.pos))
+        for reduces, issues, outputs_by_reduce in zip(self.reduce_kinds, self.reduce_issue, self.reduce_outputs):
+            for issue in issues:  # inputs already rescheduled (a reduce-scatter's wait) count where they now are
+                ready = max((priority[a] for n in issue for a in n.all_input_nodes if a not in issue), default=0)
+                for n in issue:
+                    priority[n] = ready + 0.5
+            for j, outputs in enumerate(outputs_by_reduce):
+                later = j + plan.reduces_in_flight
+                wait_at = priority[reduces[later]] - 0.25 if later < len(reduces) else end
+                for n in outputs:
+                    priority[n] = wait_at
+        return priority
+
+
+def _capped(g: _Graph, distances: list[int], max_inflight_bytes: int) -> list[int]:
+    """Shrink distances, bucket by bucket, until the gathered bytes alive at once fit the cap."""
+    alive: list[tuple[int, int, int]] = []
+    for j, gather in enumerate(g.gathers):
+        d = distances[j]
+        while _peak(alive, g.issue_at(j, d), gather.last_use) + gather.nbytes > max_inflight_bytes:
+            if d == 0:
+                need = _peak(alive, g.issue_at(j, d), gather.last_use) + gather.nbytes
+                raise ValueError(
+                    f"autoshard option max_inflight_mb={max_inflight_bytes / 2**20:.3f} is below the {need / 2**20:.3f} MiB of "
+                    "gathered parameters this graph holds at once even without prefetching; raise max_inflight_mb or "
+                    "lower bucket_mb."
+                )
+            d -= 1
+        distances[j] = d
+        alive.append((g.issue_at(j, d), gather.last_use, gather.nbytes))
+    return distances
+
+
 def schedule_overlap(
     gm: fx.GraphModule,
     compute_time: Callable[[fx.Node], float],
@@ -36,71 +132,89 @@ def schedule_overlap(
     max_inflight_bytes: int | None = None,
     max_prefetch: int = 2,
     max_reduces_in_flight: int = 2,
+    memory_budget_bytes: int | None = None,
+    outside_bytes: int = 0,
+    workspace: Workspace = no_workspace,
+    no_more_than: tuple[int, int] | None = None,
+    pin_inputs: bool = True,
 ) -> fx.GraphModule:
     """Reorder a bucketed forward or backward graph so communication hides behind compute.
 
-    Guarantees, for each all-gather bucket j (in graph order): it is issued before the first
-    use of bucket j - d, where the prefetch distance d (1..``max_prefetch``) is the smallest
-    whose compute time (``compute_time`` summed over the nodes in between) covers
-    ``collective_time`` of the gather; its wait and copy-out sit right before its first use.
-    With ``max_inflight_bytes``, d shrinks (down to 0: gather at use) until the gathered bytes
-    alive at once stay within the bound; a bound that not even d = 0 meets raises ValueError.
-    Each gradient reduction (reduce-scatter, all-reduce) is issued right after its last input
-    exists and waited right before the reduction of its kind ``max_reduces_in_flight``
-    buckets later is issued, or at the end; an all-reduce of a reduce-scatter's result
-    (hybrid sharding) is issued right after that reduce-scatter's wait.
-    Numerics unchanged; deterministic (depends on graph structure, shapes and the cost functions).
+    Guarantees, for each all-gather bucket j (in graph order): it is issued right before the
+    first use of bucket j - d (its prefetch distance d; 0: at its own first use), after that
+    bucket's wait, and its own wait and copy-out sit right before its first use. Each gradient reduction (reduce-scatter,
+    all-reduce) is issued right after its last input exists and waited right before the
+    reduction of its kind ``r`` buckets later is issued, or at the end; an all-reduce of a
+    reduce-scatter's result (hybrid sharding) is issued right after that reduce-scatter's wait.
+
+    The fastest plan takes, per bucket, the smallest d (1..``max_prefetch``) whose compute time
+    covers ``collective_time`` of its gather, and r = ``max_reduces_in_flight``. With
+    ``max_inflight_bytes``, d shrinks until the gathered bytes alive at once fit (ValueError
+    if d = 0 does not). With ``memory_budget_bytes``, the plan must keep the graph's live peak
+    (:func:`step_model.peak_bytes` with ``workspace`` and ``pin_inputs``) plus
+    ``outside_bytes`` within it: distances at the peak shrink one at a time, then r, the
+    cheapest in predicted time first; ValueError naming the smallest budget that fits if
+    gathering at use with one reduction in flight does not. ``no_more_than=(d, r)``: a
+    reference policy (FSDP2's is (1, 1)) whose peak is the budget when none is given, and
+    whose plan is taken when it is predicted faster. The plan is in ``gm.meta[PLAN]``.
+    Numerics unchanged; deterministic (graph structure, shapes and the cost functions).
     """
-    graph = gm.graph
-    pos = positions(graph.nodes)
-    gathers = [_Gather(g, pos) for g in collectives(graph, c10d.all_gather_into_tensor.default)]
-    # Reduce-scatters first: all-reduces may wait for them, never the other way round.
-    reduce_kinds = [collectives(graph, op) for op in (c10d.reduce_scatter_tensor.default, c10d.all_reduce.default)]
-    moved = {n for g in gathers for n in (*g.issue, *g.outputs)}
-    reduce_issue = [[exclusive_inputs(r) + [r] for r in reduces] for reduces in reduce_kinds]
-    reduce_outputs = [[outputs_of(wait_of(r)) for r in reduces] for reduces in reduce_kinds]
-    moved |= {n for kind in reduce_issue + reduce_outputs for group in kind for n in group}
+    g = _Graph(gm, compute_time)
+    fast = [g.hiding_distance(j, collective_time(x.node), max_prefetch) for j, x in enumerate(g.gathers)]
+    if max_inflight_bytes is not None:
+        fast = _capped(g, fast, max_inflight_bytes)
 
-    # Compute time before each position, over the nodes that stay in place.
-    elapsed, total = [], 0.0
-    for node in graph.nodes:
-        elapsed.append(total)
-        if node not in moved:
-            total += compute_time(node)
+    def evaluate(plan: SchedulePlan) -> SchedulePlan:
+        priority = g.priorities(plan)
+        order = ordered(g.graph, priority)
+        peak, at = peak_bytes(order, workspace, pin_inputs)
+        return replace(plan, peak_bytes=peak + outside_bytes, step_time=step_time(order, compute_time, collective_time),
+                       peak_at=priority[order[at]] if order else 0.0)
 
-    priority: dict[fx.Node, float] = {n: float(p) for n, p in pos.items()}
-    alive: list[tuple[int, int, int]] = []
-    for j, g in enumerate(gathers):
-        wanted = collective_time(g.node)
-        hides = (d for d in range(1, max_prefetch + 1) if j - d < 0 or elapsed[g.first_use] - elapsed[gathers[j - d].first_use] >= wanted)
-        d = next(hides, max_prefetch)
-        while True:
-            issue_at = g.first_use if d == 0 else (gathers[j - d].first_use if j - d >= 0 else 0)
-            if max_inflight_bytes is None or _peak(alive, issue_at, g.last_use) + g.nbytes <= max_inflight_bytes:
-                break
-            if d == 0:
-                need = _peak(alive, issue_at, g.last_use) + g.nbytes
-                raise ValueError(
-                    f"max_inflight_mb={max_inflight_bytes / 2**20:.3f} is below the {need / 2**20:.3f} MiB of gathered "
-                    f"parameters this graph holds at once even without prefetching; raise max_inflight_mb or "
-                    f"lower bucket_mb."
-                )
-            d -= 1
-        alive.append((issue_at, g.last_use, g.nbytes))
-        for n in g.issue:
-            priority[n] = issue_at - 0.5 + j * 1e-6  # several issues at one point keep bucket order
-        for n in g.outputs:
-            priority[n] = g.first_use - 0.25  # after any issue placed at the same point
+    plan = SchedulePlan(tuple(fast), max_reduces_in_flight)
+    budget = memory_budget_bytes
+    reference = None
+    if no_more_than is not None:
+        d, r = no_more_than
+        reference = evaluate(SchedulePlan(tuple(min(d, x) for x in fast), min(r, max_reduces_in_flight)))
+        budget = reference.peak_bytes if budget is None else budget
+    if budget is not None:
+        plan = _fit(g, evaluate(plan), budget, evaluate)
+        if reference is not None and reference.peak_bytes <= budget and reference.step_time < plan.step_time:
+            plan = reference
+        plan = replace(plan, budget_bytes=budget, forced=_forced(fast, max_reduces_in_flight, plan))
+    else:
+        plan = evaluate(plan)
+    gm.meta[PLAN] = plan
+    return reorder(gm, g.priorities(plan))
 
-    end = float(len(pos))
-    for reduces, issues, outputs_by_reduce in zip(reduce_kinds, reduce_issue, reduce_outputs):
-        for issue in issues:  # inputs already rescheduled (a reduce-scatter's wait) count where they now are
-            ready = max((priority[a] for n in issue for a in n.all_input_nodes if a not in issue), default=0)
-            for n in issue:
-                priority[n] = ready + 0.5
-        for j, outputs in enumerate(outputs_by_reduce):
-            later = j + max_reduces_in_flight
-            wait_at = priority[reduces[later]] - 0.25 if later < len(reduces) else end
-            for n in outputs:
-                priority[n] = wait_at
-    return reorder(gm, priority)
+
+def _fit(g: _Graph, plan: SchedulePlan, budget: int, evaluate: Callable[[SchedulePlan], SchedulePlan]) -> SchedulePlan:
+    """Lower distances and reductions in flight, one step at a time, until the peak fits.
+
+    Only buckets prefetched across the peak can lower it: each step tries those (all, if none
+    is) and one reduction fewer in flight, so a step costs a few evaluations, not one per bucket."""
+    while plan.peak_bytes > budget:
+        lower = [j for j, d in enumerate(plan.distances) if d > 0]
+        across = [j for j in lower if g.issue_at(j, plan.distances[j]) - 1 <= plan.peak_at <= g.gathers[j].first_use]
+        steps = [replace(plan, distances=plan.distances[:j] + (plan.distances[j] - 1,) + plan.distances[j + 1 :])
+                 for j in (across or lower)]
+        if plan.reduces_in_flight > 1:
+            steps.append(replace(plan, reduces_in_flight=plan.reduces_in_flight - 1))
+        if not steps:
+            raise ValueError(
+                f"autoshard option memory_budget_gb={budget / 2**30:.3f} is below what this graph needs even gathering "
+                f"each bucket at its use with one reduction in flight: {plan.peak_bytes / 2**30:.3f} GiB. Raise "
+                "memory_budget_gb to at least that, lower bucket_mb, or shard over more ranks."
+            )
+        tried = [evaluate(s) for s in steps]
+        # The step that lowers the peak most; among equals, the one predicted fastest.
+        plan = min(tried, key=lambda p: (p.peak_bytes, p.step_time))
+    return plan
+
+
+def _forced(fast: list[int], reduces: int, plan: SchedulePlan) -> tuple[str, ...]:
+    words = [f"bucket {j}: prefetch {a} -> {b}" for j, (a, b) in enumerate(zip(fast, plan.distances)) if a != b]
+    if plan.reduces_in_flight != reduces:
+        words.append(f"reductions in flight {reduces} -> {plan.reduces_in_flight}")
+    return tuple(words)

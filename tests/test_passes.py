@@ -28,6 +28,8 @@ from torch import fx, nn
 from autoshard._compat import c10d, recompute_region
 from autoshard.passes import bucket_collectives, keep_last_bucket_gathered, lower_annotations, merge_shared_parameters, schedule_overlap
 from autoshard.passes.graph_utils import PARAMS, is_op
+from autoshard.passes.schedule import PLAN
+from autoshard.passes.step_model import peak_bytes, step_time
 
 from fake_pg import compile_step
 
@@ -304,10 +306,13 @@ def test_schedule_prefetches_gathers_as_far_as_their_time_needs(gather_time, max
 
     before:   ag(0.w+0.b) wait(0.w+0.b) mm ag(1.w+1.b) wait(1.w+1.b) mm
               ag(2.w+2.b+norm.w+norm.b) wait(2.w+2.b+norm.w+norm.b) mm ln
-    1 ahead:  ag(0.w+0.b) ag(1.w+1.b) wait(0.w+0.b) mm
-              ag(2.w+2.b+norm.w+norm.b) wait(1.w+1.b) mm wait(2.w+2.b+norm.w+norm.b) mm ln
-    2 ahead:  ag(0.w+0.b) ag(1.w+1.b) ag(2.w+2.b+norm.w+norm.b)
-              wait(0.w+0.b) mm wait(1.w+1.b) mm wait(2.w+2.b+norm.w+norm.b) mm ln
+    1 ahead:  ag(0.w+0.b) wait(0.w+0.b) ag(1.w+1.b) mm
+              wait(1.w+1.b) ag(2.w+2.b+norm.w+norm.b) mm wait(2.w+2.b+norm.w+norm.b) mm ln
+    2 ahead:  ag(0.w+0.b) ag(1.w+1.b) wait(0.w+0.b) ag(2.w+2.b+norm.w+norm.b)
+              mm wait(1.w+1.b) mm wait(2.w+2.b+norm.w+norm.b) mm ln
+
+    Where a wait and an issue meet, the wait comes first: the comm stream runs them in turn
+    anyway, and one collective in flight holds one buffer (and on gloo one workspace), not two.
     """
     forward = _bucketed("forward")
     assert events(forward) == drawing("before")
@@ -326,7 +331,7 @@ def test_schedule_prefetches_less_to_stay_within_the_memory_bound(drawing):
     parameters are dead, 1 block ahead. A bound below the largest bucket is an error.
 
     after:  ag(0.w+0.b) ag(1.w+1.b) wait(0.w+0.b) mm
-            ag(2.w+2.b+norm.w+norm.b) wait(1.w+1.b) mm wait(2.w+2.b+norm.w+norm.b) mm ln
+            wait(1.w+1.b) ag(2.w+2.b+norm.w+norm.b) mm wait(2.w+2.b+norm.w+norm.b) mm ln
     """
     forward = _bucketed("forward")
     _, second, third = _gathers(forward)
@@ -345,10 +350,10 @@ def test_schedule_issues_reductions_early_and_waits_buckets_later(in_flight, dra
     before:  ag(norm.w+norm.b+2.w) wait(norm.w+norm.b+2.w) ln_bw mm mm
              rs(norm.b+norm.w+2.b+2.w) wait(norm.b+norm.w+2.b+2.w)
              ag(1.w) wait(1.w) mm mm rs(1.b+1.w) wait(1.b+1.w) mm rs(0.b+0.w) wait(0.b+0.w)
-    1:       ag(norm.w+norm.b+2.w) ag(1.w) wait(norm.w+norm.b+2.w) ln_bw mm mm
+    1:       ag(norm.w+norm.b+2.w) wait(norm.w+norm.b+2.w) ag(1.w) ln_bw mm mm
              rs(norm.b+norm.w+2.b+2.w) wait(1.w) mm mm wait(norm.b+norm.w+2.b+2.w)
              rs(1.b+1.w) mm wait(1.b+1.w) rs(0.b+0.w) wait(0.b+0.w)
-    2:       ag(norm.w+norm.b+2.w) ag(1.w) wait(norm.w+norm.b+2.w) ln_bw mm mm
+    2:       ag(norm.w+norm.b+2.w) wait(norm.w+norm.b+2.w) ag(1.w) ln_bw mm mm
              rs(norm.b+norm.w+2.b+2.w) wait(1.w) mm mm rs(1.b+1.w) mm
              wait(norm.b+norm.w+2.b+2.w) rs(0.b+0.w) wait(1.b+1.w) wait(0.b+0.w)
     """
@@ -393,3 +398,43 @@ def test_reshard_keeps_nothing_when_two_last_buckets_exceed_the_bound(drawing):
     for bound in (703, 704):
         joint = keep_last_bucket_gathered(stage(Stack, "lowered"), max_inflight_bytes=bound)
         assert _policies(joint) == drawing(f"{bound} bytes")
+
+
+# the step model and the memory budget (bucketed forward of Stack) ---------------------------
+
+
+def test_step_model_times_an_order_and_counts_workspace_until_the_wait():
+    """Before scheduling (gather at use), each gather's 0.5 is exposed before its matmul (1):
+    3 x 0.5 + 3 = 4.5. Prefetched one ahead, only the first is: 0.5 + 3 = 3.5. A collective's
+    workspace adds to the peak while it is in flight, at most once per collective in flight."""
+    forward = _bucketed("forward")
+    order = [n for n in forward.graph.nodes if n.op != "output"]
+    assert step_time(order, _matmuls_take_one, lambda n: 0.5) == 4.5
+    plain, _ = peak_bytes(order)
+    with_workspace, _ = peak_bytes(order, lambda n: 1000)
+    assert 0 < with_workspace - plain <= 1000  # gathered at use: one gather in flight at a time
+    schedule_overlap(forward, _matmuls_take_one, lambda n: 0.5)
+    assert step_time([n for n in forward.graph.nodes if n.op != "output"], _matmuls_take_one, lambda n: 0.5) == 3.5
+
+
+def test_schedule_fits_a_memory_budget_and_names_the_smallest_that_fits():
+    """Gathers want 2 blocks ahead (time 1.5). A budget between the peak of gathering at use
+    and the peak of that plan prefetches less and fits; one below gathering at use fails,
+    naming that peak; no_more_than=(1, 1) without a budget stays within FSDP2's peak."""
+    def plan(**kwargs):
+        forward = _bucketed("forward")
+        schedule_overlap(forward, _matmuls_take_one, lambda n: 1.5, **kwargs)
+        return forward.meta[PLAN]
+
+    fast, slowest = plan(), plan(max_prefetch=0)
+    assert fast.distances == (1, 2, 2) and slowest.distances == (0, 0, 0)  # nothing precedes bucket 0
+    assert slowest.peak_bytes < fast.peak_bytes and slowest.step_time > fast.step_time
+    budget = (fast.peak_bytes + slowest.peak_bytes) // 2
+    fitted = plan(memory_budget_bytes=budget)
+    assert fitted.peak_bytes <= budget < fast.peak_bytes and fitted.forced
+    assert fast.step_time <= fitted.step_time <= slowest.step_time
+    with pytest.raises(ValueError, match=f"memory_budget_gb=.* {slowest.peak_bytes / 2**30:.3f} GiB"):
+        plan(memory_budget_bytes=slowest.peak_bytes - 1)
+    fsdp2 = plan(max_prefetch=1, max_reduces_in_flight=1)
+    capped = plan(no_more_than=(1, 1))
+    assert capped.peak_bytes <= fsdp2.peak_bytes and capped.step_time <= fsdp2.step_time

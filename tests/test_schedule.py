@@ -8,6 +8,7 @@ from torch import fx
 from autoshard._compat import c10d
 from autoshard.compiler.consistency import plan_signature
 from autoshard.passes.graph_utils import PARAMS, collectives, outputs_of, wait_of
+from autoshard.passes.schedule import PLAN, SchedulePlan
 from autoshard.tools.simulator import analyze
 
 from fake_pg import compile_step, same_tokens
@@ -88,12 +89,34 @@ def test_fsdp2_schedule_prefetches_one_block_and_reduces_one_at_a_time():
         assert order[wait_of(r)] < order[later]
 
 
-def test_gathered_bytes_stay_within_the_bound():
-    unbounded = analyze(*_compile(), "h100").peak_gathered_bytes
-    bound_mb = 0.85 * unbounded / 2**20
-    fw, bw = _compile(max_inflight_mb=bound_mb)
-    bounded = analyze(fw, bw, "h100").peak_gathered_bytes
-    assert bounded <= bound_mb * 2**20 < unbounded
+def _plans(schedule: str = "autoshard", **options) -> list[SchedulePlan]:
+    """The schedule's plan of the forward and the backward (gloo's workspaces: profile "cpu")."""
+    return [g.meta[PLAN] for g in _compile(schedule, profile="cpu", **options)]
+
+
+def test_by_default_never_more_memory_than_fsdp2_nor_slower():
+    for ours, fsdp2 in zip(_plans(), _plans("fsdp2")):
+        assert ours.peak_bytes <= fsdp2.peak_bytes and ours.step_time <= fsdp2.step_time
+
+
+def test_a_memory_budget_bounds_the_predicted_peak():
+    """Three budgets between FSDP2's policy and the fastest plan: each plan fits its budget,
+    and a larger budget never gives a slower plan."""
+    fastest = _plans(memory_budget_gb=1e3)
+    low, high = max(p.peak_bytes for p in _plans("fsdp2")), max(p.peak_bytes for p in fastest)
+    assert low < high
+    times = []
+    for share in (0.25, 0.5, 0.75):
+        budget = low + share * (high - low)
+        plans = _plans(memory_budget_gb=budget / 2**30)
+        assert all(p.peak_bytes <= budget and p.budget_bytes == int(budget / 2**30 * 2**30) for p in plans)
+        times.append(sum(p.step_time for p in plans))
+    assert times == sorted(times, reverse=True)
+
+
+def test_a_budget_no_schedule_fits_is_a_clear_error():
+    with pytest.raises(Exception, match=r"memory_budget_gb=0\.000 is below what this graph needs .* GiB"):
+        _compile(memory_budget_gb=1e-6)
 
 
 def test_a_bound_too_small_for_any_schedule_is_a_clear_error():

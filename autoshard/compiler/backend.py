@@ -27,7 +27,7 @@ from autoshard._compat import (
 )
 from autoshard.compiler import pipeline
 from autoshard.compiler.consistency import reports_compile_failure
-from autoshard.compiler.cost_model import DeviceProfile, estimators, get_profile
+from autoshard.compiler.cost_model import DeviceProfile, estimators, get_profile, workspace
 from autoshard.compiler.dump import GraphDump
 from autoshard.compiler.options import Options, parse_options
 
@@ -63,12 +63,22 @@ def _profile(gm: fx.GraphModule, opts: Options) -> DeviceProfile:
     return get_profile("h100" if on_cuda else "cpu")
 
 
+def _param_bytes(example_inputs: Sequence[Any]) -> int:
+    # This rank's share of the parameters the graph takes (Dynamo passes them as inputs).
+    local = (x.to_local() if isinstance(x, DTensor) else x for x in example_inputs if isinstance(x, torch.nn.Parameter))
+    return sum(t.numel() * t.element_size() for t in local)
+
+
 @reports_compile_failure
-def _finish(gm: fx.GraphModule, side: str, dump: GraphDump, opts: Options, inference: bool = False) -> fx.GraphModule:
+def _finish(
+    gm: fx.GraphModule, side: str, dump: GraphDump, opts: Options, param_bytes: int, inference: bool = False
+) -> fx.GraphModule:
     """Run the partitioned pipeline (:data:`autoshard.compiler.pipeline.PARTITIONED`) on one forward or
     backward graph, writing its stages (and the report once the graph's last stage is done)."""
-    compute_time, comm_time = estimators(_profile(gm, opts))
-    pipeline.run(pipeline.PARTITIONED, gm, pipeline.Context(opts, side, compute_time, comm_time), dump.write)
+    profile = _profile(gm, opts)
+    compute_time, comm_time = estimators(profile)
+    ctx = pipeline.Context(opts, side, compute_time, comm_time, workspace(profile), param_bytes)
+    pipeline.run(pipeline.PARTITIONED, gm, ctx, dump.write)
     if side == "backward" or inference:
         dump.write_report(_profile(gm, opts))
     return gm
@@ -79,6 +89,7 @@ def autoshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options
     opts: Options = parse_options(options)
     _warn_if_unsharded(example_inputs)
     dump = GraphDump(opts.debug_dir)
+    param_bytes = _param_bytes(example_inputs)
     pipeline.run(pipeline.CAPTURED, gm, pipeline.Context(opts, "captured"), dump.write)
     if opts.compiler == "eager":
         return gm.forward
@@ -93,7 +104,7 @@ def autoshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options
 
             def inner_compile(g: fx.GraphModule, inputs: Sequence[Any], **kwargs: Any) -> Any:
                 side = "backward" if kwargs.get("is_backward") else "forward"
-                g = _finish(g, side, dump, opts, kwargs.get("is_inference", False))
+                g = _finish(g, side, dump, opts, param_bytes, kwargs.get("is_inference", False))
                 if not pipeline.keeps_order(opts.schedule):
                     return compile_fx_inner(g, inputs, **kwargs)
                 # Inductor must keep the order the schedule chose.
@@ -103,7 +114,7 @@ def autoshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options
             return compile_fx(gm, example_inputs, inner_compile=inner_compile)
 
         def compiler(side: str, inference: bool = False) -> Callable:
-            return lambda g, _inputs: make_boxed_func(_finish(g, side, dump, opts, inference).forward)
+            return lambda g, _inputs: make_boxed_func(_finish(g, side, dump, opts, param_bytes, inference).forward)
 
         # No decompositions: aot_eager runs the same ATen kernels as eager, bit for bit.
         return aot_autograd(

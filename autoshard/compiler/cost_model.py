@@ -50,6 +50,9 @@ class DeviceProfile:
     comm_overlap: the share of a collective's time during which compute keeps full speed:
         1 where collectives run on their own engines (GPUs), lower where they take cycles
         from compute (CPU ranks sharing cores with gloo's threads).
+    comm_workspace: per collective kind, the bytes it allocates besides its input and output
+        while in flight (issue to wait), as a fraction of its full buffer; none where absent.
+        gloo stages a whole all-gather output and reduce-scatter input (:data:`GLOO_WORKSPACE`).
     """
 
     name: str
@@ -63,6 +66,7 @@ class DeviceProfile:
     source: str = ""
     comm_overlap: float = 1.0
     op_overhead: float = 0.0
+    comm_workspace: dict[str, float] = field(default_factory=dict, hash=False)
 
     def flops_per_s(self, dtype: torch.dtype) -> float:
         """Peak FLOP/s for ``dtype`` (the float32 figure for unlisted dtypes)."""
@@ -92,6 +96,11 @@ def _dgx(name: str, bf16: float, tf32: float, hbm: float, nvlink: Link, infiniba
         source=f"{source}; nccl-tests PERFORMANCE.md (busbw)",
     )
 
+
+# gloo's all_gather_into_tensor and reduce_scatter_tensor allocate a temporary as large as the
+# full buffer for as long as they run (torch.profiler memory events, 2 CPU ranks, a 16 MiB
+# buffer: 16 MiB each; all_reduce works in place).
+GLOO_WORKSPACE = {"all_gather": 1.0, "reduce_scatter": 1.0}
 
 PROFILES: dict[str, DeviceProfile] = {
     # NVIDIA H100 SXM5 datasheet: BF16/FP16 989 TFLOP/s, TF32 495 TFLOP/s, HBM3 3.35 TB/s.
@@ -126,6 +135,7 @@ PROFILES: dict[str, DeviceProfile] = {
         ),
         source="measured by python -m autoshard calibrate on the 2-core development VM, 2026-11-29, torch 2.13.0+cpu",
         comm_overlap=0.64,
+        comm_workspace=GLOO_WORKSPACE,
     ),
 }
 
@@ -289,3 +299,15 @@ def estimators(profile: str | DeviceProfile) -> tuple[Callable[[fx.Node], float]
         return collective_time(c.kind, c.nbytes if nbytes is None else nbytes, c.ranks, profile)
 
     return compute_time, comm_time
+
+
+def workspace(profile: str | DeviceProfile) -> Callable[[fx.Node], int]:
+    """``bytes(node)``: what a collective node allocates besides its input and output while in
+    flight on ``profile`` (:attr:`DeviceProfile.comm_workspace`); 0 for other nodes."""
+    profile = get_profile(profile)
+
+    def workspace_bytes(node: fx.Node) -> int:
+        c = collective_of(node)
+        return 0 if c is None else int(profile.comm_workspace.get(c.kind, 0.0) * c.nbytes)
+
+    return workspace_bytes

@@ -53,6 +53,7 @@ class GraphDump:
             with warnings.catch_warnings():  # copying a graph's pytree specs warns of a deprecation inside torch
                 warnings.simplefilter("ignore", FutureWarning)
                 self.stages[stage] = fx.GraphModule(gm, copy.deepcopy(gm.graph))
+                self.stages[stage].meta.update(gm.meta)  # what the passes decided (e.g. the schedule's plan)
         if self.folder is not None:
             code = gm.print_readable(print_output=False, include_stride=True, include_device=True)
             (self.folder / f"{stage}.py").write_text(code)

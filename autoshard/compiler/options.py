@@ -27,6 +27,15 @@ class Options:
     bucket_mb: cap on a bucket's size (MiB); default: one bucket per repeated block.
     max_inflight_mb: cap on gathered parameters alive at once (MiB); default: what the cost
         model asks for overlap, at most two buckets ahead.
+    memory_budget_gb: per-rank memory (GiB) the schedule must stay within: parameter shards,
+        gradients, optimizer state (``optimizer_states`` per parameter), gathered parameters,
+        communication buffers and activations, as the step model predicts them. The schedule
+        prefetches and keeps reductions in flight only as far as the budget allows; a budget
+        too small for any schedule fails the compile naming the smallest that fits. Default:
+        no more than FSDP2's policy (prefetch one bucket, one reduction in flight) needs on
+        the same graph.
+    optimizer_states: tensors the optimizer keeps per parameter, each the size of its shard
+        (2 for Adam and AdamW, 1 for SGD with momentum, 0 for plain SGD), for the budget.
     profile: the cost model's device profile for scheduling decisions: a name ("h100",
         "a100", "cpu") or a .json file from ``python -m autoshard calibrate``; default: "h100"
         for graphs on CUDA, "cpu" otherwise.
@@ -38,6 +47,8 @@ class Options:
     schedule: str = "autoshard"
     bucket_mb: float | None = None
     max_inflight_mb: float | None = None
+    memory_budget_gb: float | None = None
+    optimizer_states: int = 2
     profile: str | None = None
 
     def __post_init__(self) -> None:
@@ -51,10 +62,14 @@ class Options:
             raise ValueError(f"autoshard option 'debug_dir' must be a path string, got {self.debug_dir!r}.")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"autoshard option 'schedule' must be one of {SCHEDULES}, got {self.schedule!r}.")
-        for name in ("bucket_mb", "max_inflight_mb"):
+        for name, unit in (("bucket_mb", "MiB"), ("max_inflight_mb", "MiB"), ("memory_budget_gb", "GiB")):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
-                raise ValueError(f"autoshard option {name!r} must be a positive number of MiB, got {value!r}.")
+                raise ValueError(f"autoshard option {name!r} must be a positive number of {unit}, got {value!r}.")
+        if isinstance(self.optimizer_states, bool) or not isinstance(self.optimizer_states, int) or self.optimizer_states < 0:
+            raise ValueError(
+                f"autoshard option 'optimizer_states' must be a whole number >= 0 (2 for Adam/AdamW), got {self.optimizer_states!r}."
+            )
         if self.profile is not None:
             from autoshard.compiler.cost_model import get_profile
 

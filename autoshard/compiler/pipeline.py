@@ -26,6 +26,7 @@ from autoshard.passes import (
     schedule_overlap,
 )
 from autoshard.passes.graph_utils import is_copy, mib_to_bytes
+from autoshard.passes.step_model import no_workspace
 
 # What a graph holds, as passes require and provide it.
 ANNOTATIONS = "annotation ops"  # every graph starts with them (Dynamo captured the property reads)
@@ -49,6 +50,8 @@ class Context:
     side: str
     compute_time: Callable[[fx.Node], float] | None = None
     comm_time: Callable[..., float] | None = None
+    workspace: Callable[[fx.Node], int] | None = None  # a collective's in-flight extra bytes (cost_model.workspace)
+    param_bytes: int = 0  # this rank's parameter shards: with the optimizer state, held outside the graphs
 
 
 @dataclass(frozen=True)
@@ -80,9 +83,23 @@ class Stage:
 Step = Union[Pass, Stage]
 
 
-def _fsdp2_limits(ctx: Context) -> dict[str, int]:
-    # FSDP2's policy on the same buckets: prefetch the next one, one reduce-scatter in flight.
-    return dict(max_prefetch=1, max_reduces_in_flight=1) if ctx.options.schedule == "fsdp2" else {}
+FSDP2_POLICY = (1, 1)  # FSDP2 on the same buckets: prefetch the next one, one reduction in flight
+
+
+def _schedule_overlap(gm: fx.GraphModule, ctx: Context) -> None:
+    opts = ctx.options
+    limits = dict(zip(("max_prefetch", "max_reduces_in_flight"), FSDP2_POLICY)) if opts.schedule == "fsdp2" else {}
+    # Held outside this graph: optimizer state and, during the backward, the parameter shards
+    # (the forward's placeholders already hold them). Gradients are the backward's outputs.
+    outside = opts.optimizer_states * ctx.param_bytes + (ctx.param_bytes if ctx.side == "backward" else 0)
+    budget = None if opts.memory_budget_gb is None else int(opts.memory_budget_gb * 2**30)
+    schedule_overlap(
+        gm, ctx.compute_time, ctx.comm_time, mib_to_bytes(opts.max_inflight_mb), **limits,
+        memory_budget_bytes=budget, outside_bytes=outside, workspace=ctx.workspace or no_workspace,
+        # Without a budget, never more memory than FSDP2's policy (nor a slower plan).
+        no_more_than=FSDP2_POLICY if opts.schedule == "autoshard" else None,
+        pin_inputs=ctx.side != "backward",
+    )
 
 
 def _inductor_schedule(gm: fx.GraphModule, ctx: Context) -> None:
@@ -119,10 +136,8 @@ PARTITIONED: tuple[Step, ...] = (
     Pass("bucket_collectives", lambda gm, ctx: bucket_collectives(gm, ctx.options.bucket_mb),
          "bucket: per-parameter collectives merged into flat ones", frozenset({LOWERED}), frozenset({BUCKETS}), OURS),
     Stage("{side}_bucketed", schedules=OURS),
-    Pass("schedule_overlap",
-         lambda gm, ctx: schedule_overlap(gm, ctx.compute_time, ctx.comm_time, mib_to_bytes(ctx.options.max_inflight_mb),
-                                          **_fsdp2_limits(ctx)),
-         "schedule: prefetch and reorder", frozenset({BUCKETS}), frozenset({ORDERED}), OURS),
+    Pass("schedule_overlap", _schedule_overlap, "schedule: prefetch and reorder within the memory budget",
+         frozenset({BUCKETS}), frozenset({ORDERED}), OURS),
     Pass("inductor_schedule", _inductor_schedule, 'schedule "inductor": PyTorch\'s bucketing and overlap scheduler',
          frozenset({LOWERED}), frozenset({ORDERED}), ("inductor",)),
     # Every rank must issue the same collectives in the same order: checked last, on the final order.

@@ -41,7 +41,7 @@ import torch.distributed as dist
 from tabulate import tabulate
 
 from autoshard._compat import all_gather_single, c10d
-from autoshard.compiler.cost_model import COLLECTIVE_KINDS, DeviceProfile, Link, collective_time
+from autoshard.compiler.cost_model import COLLECTIVE_KINDS, GLOO_WORKSPACE, DeviceProfile, Link, collective_time
 from autoshard.tools.launch import run_ranks
 
 DEFAULT_SIZES = tuple(4096 * 4**i for i in range(7))  # 4 KiB .. 16 MiB
@@ -289,6 +289,7 @@ def fit(measurements: Measurements, name: str = "calibrated") -> DeviceProfile:
         ranks_per_node=1024,  # every rank is on this one machine
         intra=Link("gloo-loopback", latency, bandwidth),
         inter=None,
+        comm_workspace=dict(GLOO_WORKSPACE),  # calibration runs gloo
         source=(
             f"measured by python -m autoshard calibrate on {socket.gethostname()}, {date.today().isoformat()}, "
             f"torch {torch.__version__}, world sizes {', '.join(map(str, worlds))}, "

@@ -1,0 +1,98 @@
+"""What an order of one forward or backward graph costs: its peak live bytes and its time.
+
+The scheduling pass compares candidate orders with these two numbers, so they are cheap
+(one scan of the order) and see only the graph: bytes held outside it (optimizer state)
+are the caller's to add. ``autoshard.tools.simulator`` plays the forward and backward
+together, with the cost model's overlap and slowdown, for reports.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Callable, Sequence
+
+from torch import fx
+
+from .graph_utils import collective_kind, is_view, is_wait, nbytes
+
+Workspace = Callable[[fx.Node], int]  # bytes a collective holds besides its input and output, issue to wait
+
+
+def no_workspace(node: fx.Node) -> int:
+    return 0
+
+
+def _aliases(node: fx.Node) -> bool:
+    # Nodes that return (part of) an existing storage instead of allocating one.
+    return (
+        is_view(node, hidden=True)
+        or is_wait(node)
+        or (node.op == "call_function" and node.target is operator.getitem)
+    )
+
+
+def peak_bytes(order: Sequence[fx.Node], workspace: Workspace = no_workspace, pin_inputs: bool = True) -> tuple[int, int]:
+    """(peak live bytes, position of the peak) of the graph run in ``order``.
+
+    A storage is allocated when its node runs and freed after the last use of it or of any
+    alias (views, getitem, waits alias their input); a collective's input also lives until
+    its wait (the comm stream reads it) and its ``workspace`` from issue to wait. Graph
+    outputs live to the end. ``pin_inputs``: placeholders live to the end too (a forward's
+    inputs belong to the caller: parameter shards, the batch); otherwise they are freed
+    after their last use (a backward consumes its saved activations).
+    """
+    pos = {n: i for i, n in enumerate(order)}
+    end = len(order)
+    root: dict[fx.Node, fx.Node] = {}  # node -> the node whose storage it uses
+    for n in order:
+        base = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
+        root[n] = root.get(base, base) if _aliases(n) and base is not None else n
+    last: dict[fx.Node, int] = {}
+    for n in order:
+        for a in n.all_input_nodes:
+            r = root.get(a, a)
+            last[r] = max(last.get(r, -1), pos[n])
+        if is_wait(n) and isinstance(n.args[0], fx.Node):
+            for a in n.args[0].all_input_nodes:  # the collective's input, read until the wait
+                r = root.get(a, a)
+                last[r] = max(last.get(r, -1), pos[n])
+    output = order[0].graph.output_node() if order else None
+    if output is not None:
+        for a in output.all_input_nodes:
+            last[root.get(a, a)] = end
+    delta = [0] * (end + 1)
+    for n in order:
+        if root[n] is not n:
+            continue
+        size = nbytes(n)
+        if not size:
+            continue
+        free = end if (n.op == "placeholder" and pin_inputs) else last.get(n, pos[n])
+        delta[pos[n]] += size
+        delta[min(free + 1, end)] -= size
+        if collective_kind(n) is not None and (extra := workspace(n)):
+            wait = next((u for u in n.users if is_wait(u)), None)
+            delta[pos[n]] += extra
+            delta[min(pos.get(wait, end) + 1, end)] -= extra
+    live = peak = at = 0
+    for i in range(end):
+        live += delta[i]
+        if live > peak:
+            peak, at = live, i
+    return peak, at
+
+
+def step_time(order: Sequence[fx.Node], compute_time: Callable[[fx.Node], float], collective_time: Callable[[fx.Node], float]) -> float:
+    """Seconds to run ``order``: compute nodes one after another; collectives one after another
+    on a comm stream, each starting once issued and the previous one ended; a wait holds
+    compute until its collective ends."""
+    now = comm = 0.0
+    ends: dict[fx.Node, float] = {}
+    for n in order:
+        if collective_kind(n) is not None:
+            comm = max(comm, now) + collective_time(n)
+            ends[n] = comm
+        elif is_wait(n):
+            now = max(now, ends.get(n.args[0], now))
+        else:
+            now += compute_time(n)
+    return now
