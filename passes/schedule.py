@@ -29,6 +29,7 @@ class SchedulePlan:
     step_time: float = 0.0
     budget_bytes: int | None = None
     forced: tuple[str, ...] = ()  # what the budget changed, in words
+    smallest_bytes: int | None = None  # the peak gathering at use with one reduction in flight
     peak_at: float = 0.0  # where the peak is, as a position of the graph before scheduling
 
 
@@ -151,10 +152,11 @@ def schedule_overlap(
     covers ``collective_time`` of its gather, and r = ``max_reduces_in_flight``. With
     ``max_inflight_bytes``, d shrinks until the gathered bytes alive at once fit (ValueError
     if d = 0 does not). With ``memory_budget_bytes``, the plan must keep the graph's live peak
-    (:func:`step_model.peak_bytes` with ``workspace`` and ``pin_inputs``) plus
-    ``outside_bytes`` within it: distances at the peak shrink one at a time, then r, the
-    cheapest in predicted time first; ValueError naming the smallest budget that fits if
-    gathering at use with one reduction in flight does not. ``no_more_than=(d, r)``: a
+    (:func:`step_model.peak_bytes` with ``workspace`` and ``pin_inputs``; without pinned
+    inputs, the shards the gathers read count as outside) plus ``outside_bytes`` within it:
+    one step at a time, the distance of a bucket prefetched across the peak or r drops by
+    one, the step that lowers the peak most first (then the fastest); ValueError naming the
+    smallest budget that fits if gathering at use with one reduction in flight does not. ``no_more_than=(d, r)``: a
     reference policy (FSDP2's is (1, 1)) whose peak is the budget when none is given, and
     whose plan is taken when it is predicted faster. The plan is in ``gm.meta[PLAN]``.
     Numerics unchanged; deterministic (graph structure, shapes and the cost functions).
@@ -164,10 +166,15 @@ def schedule_overlap(
     if max_inflight_bytes is not None:
         fast = _capped(g, fast, max_inflight_bytes)
 
+    # Unpinned inputs that gathers read are parameter shards: held by the model, not the graph.
+    shards = set()
+    if not pin_inputs:
+        shards = {a for x in g.gathers for n in x.issue for a in n.all_input_nodes if a.op == "placeholder"}
+
     def evaluate(plan: SchedulePlan) -> SchedulePlan:
         priority = g.priorities(plan)
         order = ordered(g.graph, priority)
-        peak, at = peak_bytes(order, workspace, pin_inputs)
+        peak, at = peak_bytes(order, workspace, pin_inputs, shards)
         return replace(plan, peak_bytes=peak + outside_bytes, step_time=step_time(order, compute_time, collective_time),
                        peak_at=priority[order[at]] if order else 0.0)
 
@@ -179,10 +186,17 @@ def schedule_overlap(
         reference = evaluate(SchedulePlan(tuple(min(d, x) for x in fast), min(r, max_reduces_in_flight)))
         budget = reference.peak_bytes if budget is None else budget
     if budget is not None:
+        smallest = evaluate(SchedulePlan((0,) * len(fast), 1)).peak_bytes
+        if smallest > budget:
+            raise ValueError(
+                f"autoshard option memory_budget_gb={budget / 2**30:.3f} is below what this graph needs even gathering "
+                f"each bucket at its use with one reduction in flight: {smallest / 2**30:.3f} GiB. Raise "
+                "memory_budget_gb to at least that, lower bucket_mb, or shard over more ranks."
+            )
         plan = _fit(g, evaluate(plan), budget, evaluate)
         if reference is not None and reference.peak_bytes <= budget and reference.step_time < plan.step_time:
             plan = reference
-        plan = replace(plan, budget_bytes=budget, forced=_forced(fast, max_reduces_in_flight, plan))
+        plan = replace(plan, budget_bytes=budget, forced=_forced(fast, max_reduces_in_flight, plan), smallest_bytes=smallest)
     else:
         plan = evaluate(plan)
     gm.meta[PLAN] = plan
@@ -201,12 +215,8 @@ def _fit(g: _Graph, plan: SchedulePlan, budget: int, evaluate: Callable[[Schedul
                  for j in (across or lower)]
         if plan.reduces_in_flight > 1:
             steps.append(replace(plan, reduces_in_flight=plan.reduces_in_flight - 1))
-        if not steps:
-            raise ValueError(
-                f"autoshard option memory_budget_gb={budget / 2**30:.3f} is below what this graph needs even gathering "
-                f"each bucket at its use with one reduction in flight: {plan.peak_bytes / 2**30:.3f} GiB. Raise "
-                "memory_budget_gb to at least that, lower bucket_mb, or shard over more ranks."
-            )
+        if not steps:  # gathering at use fits (checked first), so the peak is not prefetching's
+            raise AssertionError("autoshard: no schedule step lowers the peak")
         tried = [evaluate(s) for s in steps]
         # The step that lowers the peak most; among equals, the one predicted fastest.
         plan = min(tried, key=lambda p: (p.peak_bytes, p.step_time))

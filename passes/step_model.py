@@ -8,7 +8,7 @@ together, with the cost model's overlap and slowdown, for reports.
 from __future__ import annotations
 
 import operator
-from typing import Callable, Sequence
+from typing import Callable, Collection, Sequence
 
 from torch import fx
 
@@ -30,7 +30,9 @@ def _aliases(node: fx.Node) -> bool:
     )
 
 
-def peak_bytes(order: Sequence[fx.Node], workspace: Workspace = no_workspace, pin_inputs: bool = True) -> tuple[int, int]:
+def peak_bytes(
+    order: Sequence[fx.Node], workspace: Workspace = no_workspace, pin_inputs: bool = True, held_outside: Collection[fx.Node] = ()
+) -> tuple[int, int]:
     """(peak live bytes, position of the peak) of the graph run in ``order``.
 
     A storage is allocated when its node runs and freed after the last use of it or of any
@@ -38,7 +40,8 @@ def peak_bytes(order: Sequence[fx.Node], workspace: Workspace = no_workspace, pi
     its wait (the comm stream reads it) and its ``workspace`` from issue to wait. Graph
     outputs live to the end. ``pin_inputs``: placeholders live to the end too (a forward's
     inputs belong to the caller: parameter shards, the batch); otherwise they are freed
-    after their last use (a backward consumes its saved activations).
+    after their last use (a backward consumes its saved activations). ``held_outside``:
+    placeholders the caller counts itself (a backward's parameter shards), here 0 bytes.
     """
     pos = {n: i for i, n in enumerate(order)}
     end = len(order)
@@ -63,7 +66,7 @@ def peak_bytes(order: Sequence[fx.Node], workspace: Workspace = no_workspace, pi
     for n in order:
         if root[n] is not n:
             continue
-        size = nbytes(n)
+        size = 0 if n in held_outside else nbytes(n)
         if not size:
             continue
         free = end if (n.op == "placeholder" and pin_inputs) else last.get(n, pos[n])

@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import autoshard
 from autoshard._compat import c10d
 from autoshard.passes.graph_utils import collectives, positions, wait_of
+from autoshard.passes.schedule import PLAN
 from autoshard.runtime.ops import local_rows
 from autoshard.tools.launch import run_ranks
 
@@ -174,9 +175,12 @@ def test_replicate_all_reduces_buckets_while_the_backward_computes():
     order = positions(bw.graph.nodes)
     matmuls = [order[n] for n in bw.graph.nodes if n.op == "call_function" and "mm" in str(n.target)]
     first, second = reduces[0], reduces[1]
-    # The first bucket is reduced while the next one's gradients are computed, and waited later.
+    # The first bucket is reduced while the next one's gradients are computed, and waited when
+    # the plan's reductions in flight say (FSDP2's memory by default: before the next is issued).
     assert any(order[first] < m < order[second] for m in matmuls)
-    assert order[wait_of(first)] > order[second]
+    assert any(order[first] < m < order[wait_of(first)] for m in matmuls)
+    in_flight = bw.meta[PLAN].reduces_in_flight
+    assert (order[wait_of(first)] > order[second]) == (in_flight > 1)
 
 
 def test_hybrid_reduce_scatters_within_and_all_reduces_across_replicas():
