@@ -137,7 +137,7 @@ def schedule_overlap(
     outside_bytes: int = 0,
     workspace: Workspace = no_workspace,
     no_more_than: tuple[int, int] | None = None,
-    pin_inputs: bool = True,
+    shards_outside: bool = False,
 ) -> fx.GraphModule:
     """Reorder a bucketed forward or backward graph so communication hides behind compute.
 
@@ -152,8 +152,8 @@ def schedule_overlap(
     covers ``collective_time`` of its gather, and r = ``max_reduces_in_flight``. With
     ``max_inflight_bytes``, d shrinks until the gathered bytes alive at once fit (ValueError
     if d = 0 does not). With ``memory_budget_bytes``, the plan must keep the graph's live peak
-    (:func:`step_model.peak_bytes` with ``workspace`` and ``pin_inputs``; without pinned
-    inputs, the shards the gathers read count as outside) plus ``outside_bytes`` within it:
+    (:func:`step_model.peak_bytes` with ``workspace``; with ``shards_outside``, the inputs
+    the gathers read count as held outside) plus ``outside_bytes`` within it:
     one step at a time, the distance of a bucket prefetched across the peak or r drops by
     one, the step that lowers the peak most first (then the fastest); ValueError naming the
     smallest budget that fits if gathering at use with one reduction in flight does not. ``no_more_than=(d, r)``: a
@@ -167,14 +167,15 @@ def schedule_overlap(
         fast = _capped(g, fast, max_inflight_bytes)
 
     # Unpinned inputs that gathers read are parameter shards: held by the model, not the graph.
+    # A backward's inputs that gathers read are parameter shards: the model holds them.
     shards = set()
-    if not pin_inputs:
+    if shards_outside:
         shards = {a for x in g.gathers for n in x.issue for a in n.all_input_nodes if a.op == "placeholder"}
 
     def evaluate(plan: SchedulePlan) -> SchedulePlan:
         priority = g.priorities(plan)
         order = ordered(g.graph, priority)
-        peak, at = peak_bytes(order, workspace, pin_inputs, shards)
+        peak, at = peak_bytes(order, workspace, held_outside=shards)
         return replace(plan, peak_bytes=peak + outside_bytes, step_time=step_time(order, compute_time, collective_time),
                        peak_at=priority[order[at]] if order else 0.0)
 

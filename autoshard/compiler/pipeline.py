@@ -98,8 +98,16 @@ def _schedule_overlap(gm: fx.GraphModule, ctx: Context) -> None:
         memory_budget_bytes=budget, outside_bytes=outside, workspace=ctx.workspace or no_workspace,
         # Without a budget, never more memory than FSDP2's policy (nor a slower plan).
         no_more_than=FSDP2_POLICY if opts.schedule == "autoshard" else None,
-        pin_inputs=ctx.side != "backward",
+        shards_outside=ctx.side == "backward",
     )
+
+
+def _keep_last_bucket_gathered(gm: fx.GraphModule, ctx: Context) -> None:
+    # Saves the backward's first, unhideable gather, but autograd holds what a compiled
+    # backward takes until it returns: the bucket stays allocated through the whole backward.
+    # So only when the user traded memory for speed with a budget (which then counts it).
+    if ctx.options.memory_budget_gb is not None:
+        keep_last_bucket_gathered(gm, ctx.options.bucket_mb, mib_to_bytes(ctx.options.max_inflight_mb))
 
 
 def _inductor_schedule(gm: fx.GraphModule, ctx: Context) -> None:
@@ -120,10 +128,8 @@ JOINT: tuple[Step, ...] = (
          "shared parameters merged", frozenset({ANNOTATIONS}), frozenset({MERGED})),
     Pass("lower_annotations", lambda gm, ctx: lower_annotations(gm, ctx.options.reshard_after_forward),
          "annotations replaced by collectives", frozenset({MERGED}), frozenset({LOWERED, RECOMPUTE_TAGS})),
-    # FSDP2 keeps its root unit gathered too.
-    Pass("keep_last_bucket_gathered",
-         lambda gm, ctx: keep_last_bucket_gathered(gm, ctx.options.bucket_mb, mib_to_bytes(ctx.options.max_inflight_mb)),
-         "last bucket kept gathered", frozenset({LOWERED, RECOMPUTE_TAGS}), schedules=OURS),
+    Pass("keep_last_bucket_gathered", _keep_last_bucket_gathered, "last bucket kept gathered (under a memory budget)",
+         frozenset({LOWERED, RECOMPUTE_TAGS}), schedules=OURS),
     Stage("lowered"),
 )
 
