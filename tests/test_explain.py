@@ -93,7 +93,11 @@ def test_the_chrome_trace_has_an_event_per_collective_and_compute_group(report, 
     assert all(e["ts"] >= 0 and e["dur"] >= 0 for e in events if e["ph"] == "X")
     threads = {e["args"]["name"] for e in events if e["name"] == "thread_name"}
     assert threads == {"stage", "compute", "comm:0"}
-    assert max(e["args"]["live MiB"] for e in events if e["ph"] == "C") == report.analysis.peak_bytes / 2**20
+    assert max(e["args"]["live MiB"] for e in events if e["ph"] == "C" and e["name"] == "memory") == report.analysis.peak_bytes / 2**20
+    # The stacked counter splits the same bytes by category, and the exposed intervals sit on the compute lane.
+    stacked = [sum(e["args"].values()) for e in events if e["ph"] == "C" and e["name"] == "memory by category"]
+    assert max(stacked) == pytest.approx(report.analysis.peak_bytes / 2**20)
+    assert len(by_cat("exposed")) == len(report.analysis.stalls) > 0
 
 
 def test_explain_leaves_no_process_group_and_refuses_a_live_one(report):
