@@ -195,8 +195,8 @@ class Report:
         """The collectives that added the most step time, worst first."""
         step = self.analysis.step_time or 1.0
         worst = sorted((e for e in self.collectives() if e.exposed > 0), key=lambda e: -e.exposed)[:top]
-        return [(f"most exposed: {e.stage} {e.kind}", f"{_fmt_time(e.exposed)} ({100 * e.exposed / step:.1f}% of step), "
-                 f"{parameters_label(e.params) if e.params else 'unknown parameters'}, node {e.name}") for e in worst]
+        return [("most exposed collectives" if i == 0 else "", f"{_fmt_time(e.exposed)} ({100 * e.exposed / step:.1f}% of step): "
+                 f"{e.stage} {e.kind} of {parameters_label(e.params) if e.params else e.name}") for i, e in enumerate(worst)]
 
     def _peak_rows(self, top: int = 3) -> list[tuple[str, str]]:
         """What is alive at the memory peak: bytes per category, largest first, then the
@@ -207,7 +207,7 @@ class Report:
         rows = [(f"at the peak: {CATEGORIES[c]}", f"{_fmt_bytes(b)} ({100 * b / total:.1f}%)")
                 for c, b in sorted(peak.by_category.items(), key=lambda kv: -kv[1]) if b]
         rows += [("at the peak: largest" if i == 0 else "", f"{_fmt_bytes(t.nbytes)} {CATEGORIES[t.category]}"
-                  f"{' of ' + t.owner if t.owner else ''} ({t.value}; {t.stage} {t.node})") for i, t in enumerate(peak.largest[:top])]
+                  f"{': ' + t.owner if t.owner else ''} ({t.stage} {t.node})") for i, t in enumerate(peak.largest[:top])]
         return rows
 
     def summary(self) -> str:
