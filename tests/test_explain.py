@@ -19,7 +19,9 @@ from torch.distributed.tensor import DTensor
 import autoshard
 from autoshard.tools.cli import main
 from autoshard.tools.explain import add_arguments
+from autoshard.tools.liveness import CATEGORIES
 from autoshard.tools.report import STAGES, Report, _fmt_bytes, _fmt_time
+from autoshard.tools.report_code import page_code
 from autoshard.tools.simulator import analyze
 
 from fake_pg import fake_world, same_tokens, sharded_step
@@ -81,6 +83,60 @@ def test_the_html_page_has_one_item_per_collective_and_the_memory_curve(report, 
     assert not re.search(r"<script|<link|src=|url\(|href=\"http", page)  # self-contained
 
 
+def test_the_summary_says_what_is_alive_at_the_peak_and_what_is_exposed(report):
+    a, text = report.analysis, report.summary()
+    peak = a.memory_peak
+    for category, nbytes in peak.by_category.items():
+        if nbytes:
+            assert f"at the peak: {CATEGORIES[category]}" in text and _fmt_bytes(nbytes) in text
+    assert f"{_fmt_bytes(a.peak_bytes)} ({peak.stage}, at {_fmt_time(peak.time)})" in text
+    assert all(t.node in text for t in peak.largest[:3])
+    worst = sorted((e for e in report.collectives() if e.exposed), key=lambda e: -e.exposed)[:3]
+    rows = report.summary_rows()
+    first = [k for k, _ in rows].index("most exposed collectives")
+    assert [k for k, _ in rows[first:first + len(worst)]] == ["most exposed collectives"] + [""] * (len(worst) - 1)
+    for (_, value), e in zip(rows[first:], worst):  # worst first
+        assert value.startswith(f"{_fmt_time(e.exposed)} ({100 * e.exposed / a.step_time:.1f}% of step): {e.stage} {e.kind} of ")
+
+
+def test_the_page_draws_memory_by_category_on_a_labelled_axis_and_shades_exposed_time(report):
+    page, a = report.html(), report.analysis
+    present = [c for c, curve in a.memory_by_category.items() if any(curve)]
+    assert page.count('<polygon class="area m-') == len(present) >= 4
+    unit = _fmt_bytes(a.peak_bytes).split()[1]
+    assert f"live memory per rank ({unit})" in page and f">0 {unit}</text>" in page
+    assert page.count('class="exposed"') == len(a.stalls) > 0
+    # The bucket table: the most exposed collective first.
+    rows = re.findall(r'<tr id="c-(\w+)-(\w+)">', page)
+    by_exposed = sorted(report.collectives(), key=lambda e: -e.exposed)
+    assert [report_event.exposed for report_event in by_exposed] == [
+        next(e for e in report.collectives() if (e.stage, e.name) == row).exposed for row in rows]
+    assert "Memory at the peak" in page and all(t.node in page for t in a.memory_peak.largest)
+
+
+def test_backward_compute_is_named_by_module(report):
+    labels = {g.stage: set() for g in report.compute_groups()}
+    for g in report.compute_groups():
+        labels[g.stage].add(g.label)
+    assert {"blocks.0", "blocks.1"} <= labels["backward"] and "blocks.0" in labels["forward"]
+
+
+def test_the_page_carries_the_final_stages_compact_with_repeated_blocks_folded():
+    tokens = torch.zeros(1, 64, dtype=torch.long)
+    deep = autoshard.explain(lambda: build_model(n_layer=6), tokens, tokens, world_size=8, profile="h100")
+    page = deep.html()
+    full = sum(len(deep.code(s)) for s in deep.stages)
+    assert len(page) < full / 4  # was more than all stages' code
+    for stage in ("captured", "joint", "lowered"):
+        assert f"{stage} ({len(deep.stages[stage].graph.nodes)} nodes)" in page  # named, not printed
+    assert "torch.ops.autoshard.unshard" not in page  # the captured graph's annotations
+    code = page_code(deep.stages["forward"], "forward")
+    folded = re.findall(r"# (blocks\.\d): (\d+) nodes, the same code as (blocks\.\d)", code)
+    assert len(folded) >= 3 and all(int(n) > 20 for _, n, _ in folded)
+    assert "= None" not in code and "[64, 1]" not in code.split("\n", 2)[1]  # no frees, no strides in the signature
+    ast.parse(code)  # still Python
+
+
 def test_the_chrome_trace_has_an_event_per_collective_and_compute_group(report, tmp_path):
     report.save_chrome_trace(tmp_path / "t.json")
     events = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
@@ -93,7 +149,11 @@ def test_the_chrome_trace_has_an_event_per_collective_and_compute_group(report, 
     assert all(e["ts"] >= 0 and e["dur"] >= 0 for e in events if e["ph"] == "X")
     threads = {e["args"]["name"] for e in events if e["name"] == "thread_name"}
     assert threads == {"stage", "compute", "comm:0"}
-    assert max(e["args"]["live MiB"] for e in events if e["ph"] == "C") == report.analysis.peak_bytes / 2**20
+    assert max(e["args"]["live MiB"] for e in events if e["ph"] == "C" and e["name"] == "memory") == report.analysis.peak_bytes / 2**20
+    # The stacked counter splits the same bytes by category, and the exposed intervals sit on the compute lane.
+    stacked = [sum(e["args"].values()) for e in events if e["ph"] == "C" and e["name"] == "memory by category"]
+    assert max(stacked) == pytest.approx(report.analysis.peak_bytes / 2**20)
+    assert len(by_cat("exposed")) == len(report.analysis.stalls) > 0
 
 
 def test_explain_leaves_no_process_group_and_refuses_a_live_one(report):
@@ -121,6 +181,7 @@ def test_a_debug_dir_compile_writes_the_report(tmp_path, monkeypatch):
     (folder,) = (tmp_path / "rank0").iterdir()
     assert {"report.html", "trace.json", "summary.txt", "forward.py", "backward.py"} <= {p.name for p in folder.iterdir()}
     assert expected in (folder / "summary.txt").read_text()
+    assert 'href="lowered.py"' in (folder / "report.html").read_text()  # the stages beside the page are linked
     json.loads((folder / "trace.json").read_text())
 
 

@@ -20,105 +20,19 @@ from torch import fx
 
 from autoshard._compat import to_local_source
 from autoshard.compiler import dump
-from autoshard.compiler.cost_model import COLLECTIVE_KINDS, DeviceProfile, collective_of, get_profile
-from autoshard.compiler.pipeline import STAGES, what_happened
-from autoshard.passes.bucket import block_of
-from autoshard.passes.graph_utils import PARAMS, arg
-from autoshard.tools.report_html import downsample, render_html
-from autoshard.tools.report_html import fmt_bytes as _fmt_bytes
-from autoshard.tools.report_html import fmt_time as _fmt_time
+from autoshard.compiler.cost_model import COLLECTIVE_KINDS, DeviceProfile, get_profile
+from autoshard.compiler.pipeline import STAGES
+from autoshard.passes.graph_utils import arg
+from autoshard.tools.liveness import CATEGORIES, parameters_label
+from autoshard.tools.report_code import node_block
+from autoshard.tools.report_html import render_html
+from autoshard.tools.report_passes import PassSummary, op_label, summarize_pass
+from autoshard.tools.report_svg import downsample, peak_positions
+from autoshard.tools.report_svg import fmt_bytes as _fmt_bytes
+from autoshard.tools.report_svg import fmt_time as _fmt_time
 from autoshard.tools.simulator import Event, StepAnalysis, analyze
 
-
-def op_label(node: fx.Node) -> str:
-    """A node's operation: ``aten.mm.default``, ``getitem``, ``.to_local`` (a method),
-    ``module:blocks.0.fc`` or the node kind (``placeholder``, ``output``, ``get_attr``)."""
-    if node.op == "call_function":
-        return str(node.target) if hasattr(node.target, "overloadpacket") else getattr(node.target, "__name__", str(node.target))
-    if node.op == "call_method":
-        return f".{node.target}"
-    if node.op == "call_module":
-        return f"module:{node.target}"
-    return node.op
-
-
-def _moved(before: list[str], after: list[str]) -> int:
-    """Fewest nodes to move to turn ``before``'s order of the shared names into ``after``'s:
-    those outside a longest increasing subsequence of their new positions."""
-    where = {name: i for i, name in enumerate(after)}
-    positions = [where[name] for name in before if name in where]
-    tails: list[int] = []  # patience sorting: tails[k] = smallest tail of an increasing run of k+1
-    for p in positions:
-        lo, hi = 0, len(tails)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if tails[mid] < p:
-                lo = mid + 1
-            else:
-                hi = mid
-        tails[lo:lo + 1] = [p]
-    return len(positions) - len(tails)
-
-
-@dataclass(frozen=True)
-class PassSummary:
-    """What changed from stage ``before`` to stage ``after``.
-
-    added / removed: node counts by :func:`op_label` (multiset difference); moved: surviving
-    nodes (same name in both) that changed relative order, counted as the fewest moves;
-    collectives: per kind, ``(collectives, parameters they move)`` in ``after`` when it is
-    the first bucketed (or final) stage; a parameter count above the collective count means
-    buckets were formed.
-    """
-
-    before: str
-    after: str
-    what: str
-    nodes_before: int
-    nodes_after: int
-    added: dict[str, int]
-    removed: dict[str, int]
-    moved: int
-    collectives: dict[str, tuple[int, int]]
-
-    def text(self, top: int = 4) -> str:
-        def ops(counts: dict[str, int]) -> str:
-            items = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
-            shown = ", ".join(f"{k.removeprefix('aten.').removeprefix('_c10d_functional.')} x{v}" for k, v in items[:top])
-            more = f", ... {len(items) - top} more ops" if len(items) > top else ""
-            return f"{sum(counts.values())} ({shown}{more})" if counts else "0"
-
-        parts = [
-            f"{self.before} -> {self.after}: {self.what}.",
-            f"nodes {self.nodes_before} -> {self.nodes_after}; added {ops(self.added)}; removed {ops(self.removed)}; moved {self.moved}",
-        ]
-        for kind, (n, params) in self.collectives.items():
-            parts.append(f"{kind}: {params} parameters in {n} collectives" + (" (bucketed)" if params > n else ""))
-        return " ".join(parts[:1]) + " " + "; ".join(parts[1:]) + "."
-
-
-def _collective_counts(gm: fx.GraphModule) -> dict[str, tuple[int, int]]:
-    counts: dict[str, list[int]] = {}
-    for node in gm.graph.nodes:
-        if (c := collective_of(node)) is not None:
-            entry = counts.setdefault(c.kind, [0, 0])
-            entry[0] += 1
-            # Lowering names one parameter per collective; bucketing concatenates the names.
-            entry[1] += max(1, len(node.meta.get(PARAMS, ())))
-    return {k: (v[0], v[1]) for k, v in counts.items()}
-
-
-def summarize_pass(before: str, after: str, a: fx.GraphModule, b: fx.GraphModule) -> PassSummary:
-    """The :class:`PassSummary` of going from graph ``a`` (stage ``before``) to ``b``."""
-    na, nb = list(a.graph.nodes), list(b.graph.nodes)
-    ca, cb = Counter(map(op_label, na)), Counter(map(op_label, nb))
-    first_partitioned = after.endswith("_bucketed") or before in ("captured", "lowered")
-    return PassSummary(
-        before, after, what_happened(before, after),
-        len(na), len(nb), dict(cb - ca), dict(ca - cb),
-        _moved([n.name for n in na], [n.name for n in nb]),
-        _collective_counts(b) if first_partitioned and after not in ("joint", "lowered") else {},
-    )
+__all__ = ["STAGES", "ComputeGroup", "PassSummary", "Report", "op_label", "summarize_pass"]
 
 
 @dataclass(frozen=True)
@@ -131,14 +45,6 @@ class ComputeGroup:
     end: float
     events: tuple[Event, ...]
     label: str
-
-
-def _block(node: fx.Node | None) -> str | None:
-    stack = node.meta.get("nn_module_stack") if node is not None else None
-    if not stack:
-        return None
-    path = str(list(stack.values())[-1][0]).removeprefix("L['self']").lstrip(".")
-    return block_of(path + ".x") or path.split(".")[0] or None
 
 
 class Report:
@@ -246,7 +152,7 @@ class Report:
                 runs.append([e])
         groups = []
         for run in filter(None, runs):
-            blocks = Counter(b for e in run if (b := _block(nodes.get((e.stage, e.name)))))
+            blocks = Counter(b for e in run if (b := node_block(nodes.get((e.stage, e.name)))))
             label = blocks.most_common(1)[0][0] if blocks else ""
             groups.append(ComputeGroup(run[0].stage, run[0].start, run[-1].end, tuple(run), label))
         return groups
@@ -275,13 +181,34 @@ class Report:
             ("compute time", _fmt_time(a.compute_time)),
             ("communication time", _fmt_time(a.comm_time)),
             ("exposed communication", f"{_fmt_time(a.exposed_comm)} ({100 * a.exposed_comm / step:.1f}% of step)"),
+            *self._exposed_rows(),
             ("overlap ratio", f"{a.overlap_ratio:.3f}"),
-            ("peak memory per rank", _fmt_bytes(a.peak_bytes)),
+            ("peak memory per rank", _fmt_bytes(a.peak_bytes) + (f" ({p.stage}, at {_fmt_time(p.time)})" if (p := a.memory_peak) else "")),
+            *self._peak_rows(),
             ("peak gathered parameters", _fmt_bytes(a.peak_gathered_bytes)),
             ("bytes per parameter (GB per billion)", f"{m['bytes_per_parameter']:.3g}" if m["bytes_per_parameter"] else "unknown"),
             ("step lower bound", f"{_fmt_time(a.step_lower_bound)} (gap {100 * m['step_gap']:.1f}%)"),
             ("memory lower bound", f"{_fmt_bytes(a.memory_lower_bound)} (gap {100 * m['memory_gap']:.1f}%)"),
         ]
+
+    def _exposed_rows(self, top: int = 3) -> list[tuple[str, str]]:
+        """The collectives that added the most step time, worst first."""
+        step = self.analysis.step_time or 1.0
+        worst = sorted((e for e in self.collectives() if e.exposed > 0), key=lambda e: -e.exposed)[:top]
+        return [("most exposed collectives" if i == 0 else "", f"{_fmt_time(e.exposed)} ({100 * e.exposed / step:.1f}% of step): "
+                 f"{e.stage} {e.kind} of {parameters_label(e.params) if e.params else e.name}") for i, e in enumerate(worst)]
+
+    def _peak_rows(self, top: int = 3) -> list[tuple[str, str]]:
+        """What is alive at the memory peak: bytes per category, largest first, then the
+        largest tensors and who they belong to."""
+        peak, total = self.analysis.memory_peak, self.analysis.peak_bytes or 1
+        if peak is None:
+            return []
+        rows = [(f"at the peak: {CATEGORIES[c]}", f"{_fmt_bytes(b)} ({100 * b / total:.1f}%)")
+                for c, b in sorted(peak.by_category.items(), key=lambda kv: -kv[1]) if b]
+        rows += [("at the peak: largest" if i == 0 else "", f"{_fmt_bytes(t.nbytes)} {CATEGORIES[t.category]}"
+                  f"{': ' + t.owner if t.owner else ''} ({t.stage} {t.node})") for i, t in enumerate(peak.largest[:top])]
+        return rows
 
     def summary(self) -> str:
         """A plain-text table of :meth:`summary_rows`, headed by title, rank and profile."""
@@ -290,8 +217,9 @@ class Report:
 
     def chrome_trace(self) -> dict:
         """The simulated step as Chrome trace events (Perfetto, chrome://tracing): one "X"
-        event per collective (args: kind, bytes, parameters) and per compute group, stage
-        spans, a "C" memory counter; times in microseconds; pid is the rank, tid a lane."""
+        event per collective (args: kind, bytes, exposed time, parameters), per compute group
+        and per exposed interval (on the compute lane), stage spans, a "C" memory counter and
+        one stacked by category; times in microseconds; pid is the rank, tid a lane."""
         us = 1e6
         lanes = ["stage", "compute", *sorted({e.lane for e in self.collectives()})]
         tid = {lane: i for i, lane in enumerate(lanes)}
@@ -319,24 +247,34 @@ class Report:
             events.append({
                 "ph": "X", "cat": "collective", "name": e.kind, "pid": pid, "tid": tid[e.lane],
                 "ts": e.start * us, "dur": (e.end - e.start) * us,
-                "args": {"node": e.name, "stage": e.stage, "kind": e.kind, "bytes": e.nbytes, "params": list(e.params)},
+                "args": {"node": e.name, "stage": e.stage, "kind": e.kind, "bytes": e.nbytes, "exposed_us": e.exposed * us,
+                         "params": list(e.params)},
             })
-        for t, live in downsample(self.analysis.memory_curve, 4000):
+        curve, by_category = self.analysis.memory_curve, self.analysis.memory_by_category
+        for t, live in downsample(curve, 4000):
             events.append({"ph": "C", "name": "memory", "pid": pid, "ts": t * us, "args": {"live MiB": live / 2**20}})
+        for i in peak_positions(curve, 2000):  # stacked in Perfetto: one series per category
+            events.append({"ph": "C", "name": "memory by category", "pid": pid, "ts": curve[i][0] * us,
+                           "args": {CATEGORIES[c]: v[i] / 2**20 for c, v in by_category.items() if any(v)}})
+        for s in self.analysis.stalls:
+            events.append({"ph": "X", "cat": "exposed", "name": f"exposed: {s.stage} {s.name}", "pid": pid, "tid": tid["compute"],
+                           "ts": s.start * us, "dur": (s.end - s.start) * us})
         return {"traceEvents": events, "displayTimeUnit": "ns", "otherData": {"title": self.title, "profile": self.profile.name}}
 
     def save_chrome_trace(self, path: str | Path) -> None:
         """Write :meth:`chrome_trace` as JSON to ``path``."""
         Path(path).write_text(json.dumps(self.chrome_trace()))
 
-    def html(self) -> str:
+    def html(self, stage_files: frozenset[str] = frozenset()) -> str:
         """One self-contained page (inline SVG and CSS, no script, nothing fetched): summary,
-        timeline, memory curve, buckets, passes and stage code."""
-        return render_html(self)
+        timeline, memory by category, buckets by exposed time, passes and the final stages'
+        code (the others are linked when in ``stage_files``: written as ``<stage>.py`` beside it)."""
+        return render_html(self, frozenset(stage_files))
 
     def save_html(self, path: str | Path) -> None:
-        """Write :meth:`html` to ``path``."""
-        Path(path).write_text(self.html())
+        """Write :meth:`html` to ``path``, linking the stage files already beside it."""
+        path = Path(path)
+        path.write_text(self.html(frozenset(s for s in self.stages if (path.parent / f"{s}.py").is_file())))
 
     def save(self, folder: str | Path) -> None:
         """Write ``report.html``, ``trace.json`` and ``summary.txt`` into ``folder``."""

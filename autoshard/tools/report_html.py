@@ -1,223 +1,148 @@
 """The report's HTML page: one self-contained file (inline SVG and CSS, no script, nothing
-fetched) drawn from a :class:`autoshard.tools.report.Report`, and the number formats the report's
-text shares with it."""
+fetched) drawn from a :class:`autoshard.tools.report.Report`."""
 from __future__ import annotations
 
-import html
-import math
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from autoshard.tools.liveness import parameters_label
+from autoshard.tools.report_code import page_code
+from autoshard.tools.report_memory import MEMORY_CSS, memory_panel, peak_tables
+from autoshard.tools.report_svg import Layout, esc, fmt_bytes, fmt_time, ticks
 
 if TYPE_CHECKING:
     from autoshard.tools.report import Report
 
-_MAX_CODE_CHARS = 500_000  # per stage in the HTML page; an 8B model's joint graph is tens of MB
-
-
-def fmt_bytes(n: float) -> str:
-    """``n`` bytes in B, KiB, MiB or GiB, three significant digits."""
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:.3g} {unit}"
-    return f"{n:.0f} B"
-
-
-def fmt_time(s: float) -> str:
-    """``s`` seconds in s, ms, us or ns, four significant digits."""
-    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
-        if abs(s) >= scale:
-            return f"{s / scale:.4g} {unit}"
-    return f"{s * 1e9:.4g} ns"
-
-
-def downsample(curve: list[tuple[float, int]], bins: int) -> list[tuple[float, int]]:
-    """At most ~4 points per time bin (first, min, max, last, in order), so the peak and the
-    shape survive while a curve of 100k points shrinks to a few thousand."""
-    if len(curve) <= 4 * bins:
-        return list(curve)
-    end = curve[-1][0] or 1.0
-    out: list[tuple[float, int]] = []
-    i = 0
-    while i < len(curve):
-        b = int(curve[i][0] / end * bins)
-        j = i
-        while j < len(curve) and int(curve[j][0] / end * bins) == b:
-            j += 1
-        chunk = curve[i:j]
-        picks = {0, len(chunk) - 1, min(range(len(chunk)), key=lambda k: chunk[k][1]), max(range(len(chunk)), key=lambda k: chunk[k][1])}
-        out.extend(chunk[k] for k in sorted(picks))
-        i = j
-    return out
-
-
-def _esc(text: Any) -> str:
-    return html.escape(str(text), quote=True)
-
-
-def _ticks(end: float, target: int = 8) -> list[float]:
-    """Round tick positions (1, 2 or 5 x 10^k apart) from 0 to ``end``."""
-    if end <= 0:
-        return [0.0]
-    raw = end / target
-    base = 10 ** math.floor(math.log10(raw))
-    step = next(m * base for m in (1, 2, 5, 10) if m * base >= raw)
-    return [i * step for i in range(int(end / step) + 1)]
-
+PAGE_STAGES = ("forward", "backward")  # whose code the page carries: what runs; the rest are named
 
 _CSS = """
 body{font:14px system-ui,sans-serif;margin:24px;color:#222}h1{font-size:20px}h2{font-size:16px;margin-top:28px}
 table{border-collapse:collapse}td,th{border:1px solid #ddd;padding:3px 8px;text-align:left;vertical-align:top}
 pre{background:#f6f6f6;padding:8px;overflow:auto;max-height:600px;font-size:12px}
 svg text{font:11px system-ui,sans-serif}.lane{fill:#f3f3f3}.compute{stroke:#fff;stroke-width:.5}
-.compute.forward{fill:#4e79a7}.compute.backward{fill:#76b7b2}
+.compute.forward{fill:#4e79a7}.compute.backward{fill:#76b7b2}text.forward{fill:#fff}text.backward{fill:#123}
 .collective rect{stroke:#222;stroke-width:.5}.all_gather rect{fill:#f28e2b}.reduce_scatter rect{fill:#b07aa1}.all_reduce rect{fill:#e15759}
-.collective:hover rect{stroke-width:2}.memory{fill:none;stroke:#59a14f;stroke-width:1.5}.peak{fill:#e15759}
-.bound{stroke:#999;stroke-dasharray:4 3}.stage{stroke:#222;stroke-dasharray:6 3}.axis{stroke:#999}
-td.params{font-size:12px;max-width:900px}:target{background:#ffe9a8}
+.collective:hover rect{stroke-width:2}.memory{fill:none;stroke:#222;stroke-width:1}.peak{fill:#e15759;stroke:#fff}
+.exposed{fill:#e15759;opacity:.45}.exposed:hover{opacity:.8}
+.bound{stroke:#555;stroke-dasharray:4 3}.stage{stroke:#222;stroke-dasharray:6 3}.axis{stroke:#ccc;stroke-width:.5}
+td.params{font-size:12px;max-width:700px}td.num{text-align:right}:target{background:#ffe9a8}
 """
 
 
-@dataclass(frozen=True)
-class _Layout:
-    """Where the timeline's parts go, in SVG pixels; ``end``: the simulated seconds drawn."""
-
-    end: float
-    lanes: tuple[str, ...]
-    left: int = 150
-    width: int = 1100
-    lane_h: int = 26
-    gap: int = 6
-    top: int = 22
-    mem_h: int = 150
-
-    def x(self, t: float) -> float:
-        return self.left + self.width * t / self.end
-
-    def y(self, lane: str) -> int:
-        return self.top + self.lanes.index(lane) * (self.lane_h + self.gap)
-
-    @property
-    def mem_top(self) -> int:
-        return self.top + len(self.lanes) * (self.lane_h + self.gap) + 20
-
-    @property
-    def height(self) -> int:
-        return self.mem_top + self.mem_h + 10
-
-
-def _lanes(r: Report, at: _Layout) -> list[str]:
+def _lanes(r: Report, at: Layout) -> list[str]:
     """Lane backgrounds and labels, and the time axis."""
     svg = []
     for lane in at.lanes:
         label = lane if lane == "compute" else f"comm, group {lane.split(':', 1)[1]}"
         svg.append(f'<rect class="lane" x="{at.left}" y="{at.y(lane)}" width="{at.width}" height="{at.lane_h}"/>')
-        svg.append(f'<text x="{at.left - 6}" y="{at.y(lane) + at.lane_h / 2 + 4}" text-anchor="end">{_esc(label)}</text>')
-    for t in _ticks(at.end):
-        svg.append(f'<line class="axis" x1="{at.x(t):.2f}" x2="{at.x(t):.2f}" y1="{at.top - 4}" y2="{at.mem_top + at.mem_h}"/>')
-        svg.append(f'<text x="{at.x(t):.2f}" y="{at.top - 8}" text-anchor="middle">{fmt_time(t) if t else "0"}</text>')
+        svg.append(f'<text x="{at.left - 6}" y="{at.y(lane) + at.lane_h / 2 + 4}" text-anchor="end">{esc(label)}</text>')
+    for t in ticks(at.end):
+        svg.append(f'<line class="axis" x1="{at.x(t):.1f}" x2="{at.x(t):.1f}" y1="{at.top - 4}" y2="{at.mem_top + at.mem_h}"/>')
+        svg.append(f'<text x="{at.x(t):.1f}" y="{at.top - 8}" text-anchor="middle">{fmt_time(t) if t else "0"}</text>')
     return svg
 
 
-def _boxes(r: Report, at: _Layout) -> list[str]:
-    """One box per compute group and per collective (linked to its bucket row), and where
-    the backward starts."""
+def _boxes(r: Report, at: Layout) -> list[str]:
+    """One box per compute group (named by its module where it fits), one per collective
+    (linked to its bucket row), the exposed intervals shaded, and where the backward starts."""
     svg = []
+    y = at.y("compute")
     for g in r.compute_groups():
         tip = f"{g.stage} compute {g.label}: {len(g.events)} nodes, {fmt_time(g.end - g.start)} ({g.events[0].name} .. {g.events[-1].name})"
-        svg.append(
-            f'<rect class="compute {g.stage}" x="{at.x(g.start):.2f}" y="{at.y("compute")}" '
-            f'width="{max(at.x(g.end) - at.x(g.start), 0.5):.2f}" height="{at.lane_h}"><title>{_esc(tip)}</title></rect>'
-        )
+        x, w = at.x(g.start), max(at.x(g.end) - at.x(g.start), 0.5)
+        svg.append(f'<rect class="compute {g.stage}" x="{x:.1f}" y="{y}" width="{w:.1f}" height="{at.lane_h}">'
+                   f"<title>{esc(tip)}</title></rect>")
+        fits = int((w - 4) / 6)
+        if g.label and fits >= 3:  # short module names inside boxes wide enough
+            label = g.label if len(g.label) <= fits else g.label[: fits - 1] + "…"
+            svg.append(f'<text class="{g.stage}" x="{x + 2:.1f}" y="{y + at.lane_h / 2 + 4}">{esc(label)}</text>')
+    events = {(e.stage, e.name): e for e in r.collectives()}
+    for s in r.analysis.stalls:
+        e = events[(s.stage, s.name)]
+        bucket = parameters_label(e.params) if e.params else "parameters unknown"
+        tip = f"exposed {fmt_time(s.end - s.start)}: compute waits for {e.stage} {e.kind} {e.name} ({bucket})"
+        svg.append(f'<a href="#c-{e.stage}-{esc(e.name)}"><rect class="exposed" x="{at.x(s.start):.1f}" y="{y}" '
+                   f'width="{max(at.x(s.end) - at.x(s.start), 0.5):.1f}" height="{at.lane_h}"><title>{esc(tip)}</title></rect></a>')
     for e in r.collectives():
-        tip = (f"{e.stage} {e.kind} ({e.name}): {fmt_bytes(e.nbytes)}, {fmt_time(e.end - e.start)}, "
+        tip = (f"{e.stage} {e.kind} ({e.name}): {fmt_bytes(e.nbytes)}, {fmt_time(e.end - e.start)}, exposed {fmt_time(e.exposed)}, "
                f"{len(e.params)} parameters: {', '.join(e.params) or 'unknown'}")
         svg.append(
-            f'<a href="#c-{e.stage}-{_esc(e.name)}"><g class="collective {e.kind}"><rect x="{at.x(e.start):.2f}" y="{at.y(e.lane) + 3}" '
-            f'width="{max(at.x(e.end) - at.x(e.start), 1):.2f}" height="{at.lane_h - 6}"/><title>{_esc(tip)}</title></g></a>'
+            f'<a href="#c-{e.stage}-{esc(e.name)}"><g class="collective {e.kind}"><rect x="{at.x(e.start):.1f}" y="{at.y(e.lane) + 3}" '
+            f'width="{max(at.x(e.end) - at.x(e.start), 1):.1f}" height="{at.lane_h - 6}"/><title>{esc(tip)}</title></g></a>'
         )
     bw = r.backward_start()
     if bw is not None:
-        svg.append(f'<line class="stage" x1="{at.x(bw):.2f}" x2="{at.x(bw):.2f}" y1="{at.top}" y2="{at.mem_top + at.mem_h}"/>')
-        svg.append(f'<text x="{at.x(bw) + 4:.2f}" y="{at.mem_top - 6}">backward starts</text>')
+        svg.append(f'<line class="stage" x1="{at.x(bw):.1f}" x2="{at.x(bw):.1f}" y1="{at.top}" y2="{at.mem_top + at.mem_h}"/>')
+        svg.append(f'<text x="{at.x(bw) - 4:.1f}" y="{at.mem_top - 6}" text-anchor="end">backward starts</text>')
     return svg
-
-
-def _memory(r: Report, at: _Layout) -> list[str]:
-    """A step curve of live bytes; the peak marked; the lower bound dashed."""
-    a = r.analysis
-    peak = max(a.peak_bytes, 1)
-    my = lambda b: at.mem_top + at.mem_h - at.mem_h * b / (1.05 * peak)  # noqa: E731
-    points, last = [], None
-    for t, live in downsample(a.memory_curve, at.width):
-        if last is not None:
-            points.append(f"{at.x(t):.2f},{my(last):.2f}")
-        points.append(f"{at.x(t):.2f},{my(live):.2f}")
-        last = live
-    if last is not None:
-        points.append(f"{at.x(at.end):.2f},{my(last):.2f}")
-    t_peak = next((t for t, live in a.memory_curve if live == a.peak_bytes), 0.0)
-    peak_x, peak_y, bound_y = at.x(t_peak), my(a.peak_bytes), my(a.memory_lower_bound)
-    return [
-        f'<rect class="lane" x="{at.left}" y="{at.mem_top}" width="{at.width}" height="{at.mem_h}"/>',
-        f'<text x="{at.left - 6}" y="{at.mem_top + at.mem_h / 2}" text-anchor="end">memory (live bytes)</text>',
-        f'<line class="bound" x1="{at.left}" x2="{at.left + at.width}" y1="{bound_y:.2f}" y2="{bound_y:.2f}">'
-        f"<title>memory lower bound {fmt_bytes(a.memory_lower_bound)}</title></line>",
-        f'<polyline class="memory" points="{" ".join(points)}"/>',
-        f'<circle class="peak" cx="{peak_x:.2f}" cy="{peak_y:.2f}" r="4"><title>peak {fmt_bytes(a.peak_bytes)} at '
-            f'{fmt_time(t_peak)}</title></circle>',
-        f'<text x="{peak_x + 7:.2f}" y="{peak_y + 4:.2f}">peak {fmt_bytes(a.peak_bytes)}</text>',
-    ]
 
 
 def _timeline(r: Report) -> str:
     a = r.analysis
-    at = _Layout(max([a.step_time, *(e.end for e in a.timeline)]) or 1.0, ("compute", *sorted({e.lane for e in r.collectives()})))
-    svg = _lanes(r, at) + _boxes(r, at) + _memory(r, at)
+    at = Layout(max([a.step_time, *(e.end for e in a.timeline)]) or 1.0, ("compute", *sorted({e.lane for e in r.collectives()})))
+    svg = _lanes(r, at) + memory_panel(r, at) + _boxes(r, at)
     w = at.left + at.width + 20
     return f'<svg width="{w}" height="{at.height}" viewBox="0 0 {w} {at.height}" role="img">{"".join(svg)}</svg>'
 
 
 def _bucket_rows(r: Report) -> str:
+    """One row per collective, the most exposed first (then in program order)."""
+    step = r.analysis.step_time or 1.0
+    ranked = sorted(enumerate(r.collectives()), key=lambda ie: (-ie[1].exposed, ie[0]))
     return "".join(
-        f'<tr id="c-{e.stage}-{_esc(e.name)}"><td>{e.stage}</td><td>{e.kind}</td><td>{_esc(e.name)}</td><td>{fmt_bytes(e.nbytes)}</td>'
-        f'<td>{fmt_time(e.start)}</td><td>{fmt_time(e.end - e.start)}</td><td>{len(e.params)}</td>'
-        f'<td class="params">{_esc(", ".join(e.params))}</td></tr>'
-        for e in r.collectives()
+        f'<tr id="c-{e.stage}-{esc(e.name)}"><td>{e.stage}</td><td>{e.kind}</td><td>{esc(e.name)}</td>'
+        f"<td>{esc(parameters_label(e.params)) if e.params else ''}</td><td class=num>{fmt_bytes(e.nbytes)}</td>"
+        f"<td class=num>{fmt_time(e.start)}</td><td class=num>{fmt_time(e.end - e.start)}</td>"
+        f"<td class=num>{fmt_time(e.exposed) if e.exposed else '0'}</td><td class=num>{100 * e.exposed / step:.1f}%</td>"
+        f'<td class=num>{len(e.params)}</td><td class="params">{esc(", ".join(e.params))}</td></tr>'
+        for _, e in ranked
     )
 
 
-def _stages(r: Report) -> str:
-    stages = []
+def _stages(r: Report, files: frozenset[str]) -> str:
+    """The code of :data:`PAGE_STAGES`, collapsed; the other stages by name (linked to their
+    file when the page sits next to a debug_dir dump)."""
+    parts, others = [], []
     for stage, gm in r.stages.items():
-        code = r.code(stage)
-        if len(code) > _MAX_CODE_CHARS:
-            code = code[:_MAX_CODE_CHARS] + (
-                f"\n# ... truncated ({len(code):,} characters); Report.code({stage!r}) or debug_dir has it all\n")
-        stages.append(f"<details><summary>{stage} ({len(gm.graph.nodes)} nodes)</summary><pre>{_esc(code)}</pre></details>")
-    return "".join(stages)
+        nodes = f"{len(gm.graph.nodes)} nodes"
+        if stage in PAGE_STAGES:
+            parts.append(f"<details><summary>{stage} ({nodes})</summary><pre>{esc(page_code(gm, stage))}</pre></details>")
+        elif stage in files:
+            others.append(f'<a href="{stage}.py">{stage}</a> ({nodes})')
+        else:
+            others.append(f"{stage} ({nodes})")
+    if others:
+        parts.append(f"<p>Earlier stages: {', '.join(others)}; each in full with <code>Report.code(stage)</code> "
+                     "or as a file under <code>--dump-dir</code> / <code>debug_dir</code>.</p>")
+    return "".join(parts)
 
 
-def render_html(r: Report) -> str:
-    """The page of :meth:`autoshard.tools.report.Report.html`: summary, timeline, memory curve,
-    buckets, passes and stage code."""
-    rows = "".join(f"<tr><td>{_esc(k)}</td><td>{_esc(v)}</td></tr>" for k, v in r.summary_rows())
-    passes = "".join(f"<li>{_esc(p.text())}</li>" for p in r.passes)
+def render_html(r: Report, stage_files: frozenset[str] = frozenset()) -> str:
+    """The page of :meth:`autoshard.tools.report.Report.html`: summary, timeline with the
+    memory panel, what is alive at the peak, buckets by exposed time, passes and the final
+    stages' code. ``stage_files``: stages written as ``<stage>.py`` next to the page."""
+    rows = "".join(f"<tr><td>{esc(k)}</td><td>{esc(v)}</td></tr>" for k, v in r.summary_rows())
+    passes = "".join(f"<li>{esc(p.text())}</li>" for p in r.passes)
     title = f"autoshard report{': ' + r.title if r.title else ''}"
     return f"""<!DOCTYPE html>
-<html><head><meta charset="utf-8"><title>{_esc(title)}</title><style>{_CSS}</style></head><body>
-<h1>{_esc(title)}</h1>
-<p>Rank {r.rank}, profile <b>{_esc(r.profile.name)}</b>. One simulated training step: compute runs on one stream, each
+<html><head><meta charset="utf-8"><title>{esc(title)}</title><style>{_CSS}{MEMORY_CSS}</style></head><body>
+<h1>{esc(title)}</h1>
+<p>Rank {r.rank}, profile <b>{esc(r.profile.name)}</b>. One simulated training step: compute runs on one stream, each
 process group's collectives on their own; durations from the cost model.</p>
 <h2>Summary</h2><table>{rows}</table>
 <h2>Timeline</h2>
-<p>Time runs left to right. The compute lane holds groups of nodes that ran back to back (dark: forward, light: backward);
-a gap in it is compute waiting for a collective (exposed communication). Each communication lane is one process group;
-every box is one collective (orange all-gather, purple reduce-scatter, red all-reduce): hover for its bytes and parameters,
-click for its row in the bucket table. Below, the live memory of this rank, with its peak marked and the lower bound dashed.</p>
+<p>Time runs left to right. The compute lane holds groups of nodes that ran back to back (dark: forward, light: backward),
+named by the module most of them come from. Red shading in it is exposed communication: compute waiting for a collective
+(hover to see which; click for its bucket row). Each communication lane is one process group; every box is one collective
+(orange all-gather, purple reduce-scatter, red all-reduce): hover for its bytes and parameters, click for its row in the
+bucket table. Below, the live memory of this rank, stacked by what it holds, with its peak marked and the lower bound dashed
+(no order of the same compute needs less).</p>
 {_timeline(r)}
-<h2>Buckets</h2><p>One row per collective: the bucket it moves.</p>
-<table><tr><th>stage</th><th>kind</th><th>node</th><th>bytes</th><th>start</th><th>duration</th><th>params</th><th>parameters</th></tr>{_bucket_rows(r)}</table>
+<h2>Memory at the peak</h2>{peak_tables(r)}
+<h2>Buckets</h2><p>One row per collective, the most exposed first: <i>exposed</i> is the step time it added (compute waiting
+at its wait, the step running past the last compute to finish it, compute slowed while it ran).</p>
+<table><tr><th>stage</th><th>kind</th><th>node</th><th>bucket</th><th>bytes</th><th>start</th><th>duration</th><th>exposed</th>
+<th>of step</th><th>params</th><th>parameters</th></tr>{_bucket_rows(r)}</table>
 <h2>Passes</h2><ol>{passes}</ol>
-<h2>Stages</h2>{_stages(r)}
+<h2>Stages</h2>{_stages(r, stage_files)}
 </body></html>
 """

@@ -2,18 +2,20 @@
 
 Compute runs on one stream; each process group has its own communication stream. Durations
 come from :mod:`autoshard.cost_model`; memory is tracked per rank by liveness of tensor
-storages. Works on graphs compiled under the fake process group with fake or meta tensors,
-so any world size and model size can be simulated without their memory.
+storages (:mod:`autoshard.tools.liveness`), each attributed to what it holds. Works on graphs
+compiled under the fake process group with fake or meta tensors, so any world size and model
+size can be simulated without their memory.
 """
 from __future__ import annotations
 
-import operator
+import dataclasses
 from dataclasses import dataclass, field
 
 from torch import fx
 
 from autoshard.compiler.cost_model import DeviceProfile, collective_of, collective_time, get_profile, node_time
-from autoshard.passes.graph_utils import COLLECTIVE_KINDS, GATHERED, PARAMS, collective_kind, is_view, is_wait, tensor_bytes
+from autoshard.passes.graph_utils import COLLECTIVE_KINDS, PARAMS, is_wait
+from autoshard.tools.liveness import CATEGORIES, Liveness, MemoryPeak, Order, categorize, issuer, peak_of, saved_sources
 
 
 @dataclass(frozen=True)
@@ -21,7 +23,9 @@ class Event:
     """One interval on a lane: "compute", or "comm:<group>" for a process group's stream.
 
     stage is "forward" or "backward" (node names repeat across the two graphs); a collective
-    carries its kind, full-buffer bytes and the parameters it moves (empty if unknown).
+    carries its kind, full-buffer bytes, the parameters it moves (empty if unknown) and
+    ``exposed``: the step time it added (compute stalled at its wait, the step's tail it
+    ran past the last compute, and compute slowed while it ran; see ``comm_overlap``).
     """
 
     lane: str
@@ -32,6 +36,18 @@ class Event:
     kind: str = "compute"
     nbytes: int = 0
     params: tuple[str, ...] = ()
+    exposed: float = 0.0
+
+
+@dataclass(frozen=True)
+class Stall:
+    """An interval in which compute waited for the collective ``name`` (of ``stage``), or the
+    step ran on after its last compute to finish it: exposed communication, seen as a gap."""
+
+    start: float
+    end: float
+    stage: str
+    name: str
 
 
 @dataclass(frozen=True)
@@ -40,8 +56,11 @@ class StepAnalysis:
 
     Guaranteed (up to float rounding): ``max(compute_time, max(comm_by_group)) <= step_time <=
     compute_time + comm_time``, ``0 <= exposed_comm <= comm_time``, ``0 <= overlap_ratio <= 1``,
-    ``step_lower_bound <= step_time``. ``timeline`` holds every collective and every compute node
-    of nonzero time, in program order; ``memory_curve`` the live bytes after each node starts.
+    ``step_lower_bound <= step_time``; the collectives' ``exposed`` sum to ``exposed_comm``.
+    ``timeline`` holds every collective and every compute node of nonzero time, in program
+    order; ``memory_curve`` the live bytes after each node starts; ``memory_by_category`` the
+    same split by what the bytes hold (keys of :data:`autoshard.tools.liveness.CATEGORIES`):
+    at every point the categories sum to the curve.
     """
 
     step_time: float
@@ -63,44 +82,21 @@ class StepAnalysis:
     memory_lower_bound: int
     timeline: list[Event] = field(repr=False)
     memory_curve: list[tuple[float, int]] = field(repr=False)
+    memory_by_category: dict[str, list[int]] = field(default_factory=dict, repr=False)
+    memory_peak: MemoryPeak | None = field(default=None, repr=False)  # where the peak is, what is alive there
+    stalls: list[Stall] = field(default_factory=list, repr=False)  # the exposed intervals, in time order
 
 
-def _saved_sources(forward: fx.GraphModule, backward: fx.GraphModule | None) -> dict[fx.Node, fx.Node]:
-    """Backward placeholder -> the forward node it receives, as AOT autograd pairs them:
-    the backward takes the saved values (in order) then ``tangents_*``, and the forward
-    returns its user outputs then the saved values."""
-    if backward is None:
-        return {}
-    saved_inputs = [n for n in backward.graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents")]
-    outputs = forward.graph.output_node().args[0]
-    if len(saved_inputs) > len(outputs):
-        raise ValueError(
-            f"backward takes {len(saved_inputs)} saved values but forward returns only {len(outputs)} "
-            "outputs: not an AOT autograd forward/backward pair."
-        )
-    saved = outputs[len(outputs) - len(saved_inputs) :]
-    return {bw: fw for bw, fw in zip(saved_inputs, saved) if isinstance(fw, fx.Node)}
-
-
-def _issuer(node: fx.Node, sources: dict[fx.Node, fx.Node]) -> fx.Node:
-    """The node a wait_tensor's argument comes from: through getitem (coalesced
-    collectives) and from a backward placeholder to the forward node it receives."""
-    while True:
-        if node.op == "call_function" and node.target is operator.getitem:
-            node = node.args[0]
-        elif node in sources:
-            node = sources[node]
-        else:
-            return node
-
-
-def _simulate(order: list[tuple[str, fx.Node]], sources: dict[fx.Node, fx.Node], profile: DeviceProfile) -> dict:
+def _simulate(order: Order, sources: dict[fx.Node, fx.Node], profile: DeviceProfile) -> dict:
     clock = compute_time = 0.0
     stream_free: dict[str, float] = {}  # per process group
     busy: dict[str, float] = {}
     ends: dict[fx.Node, float] = {}
     comm_bytes = dict.fromkeys(COLLECTIVE_KINDS, 0)
     timeline: list[Event] = []
+    event_of: dict[fx.Node, int] = {}  # collective -> its index in timeline
+    exposed: dict[fx.Node, float] = {}
+    stalls: list[Stall] = []
     starts: list[float] = []  # compute clock when each node of ``order`` starts
     for stage, node in order:
         starts.append(clock)
@@ -112,137 +108,74 @@ def _simulate(order: list[tuple[str, fx.Node]], sources: dict[fx.Node, fx.Node],
             duration = collective_time(kind, nbytes, ranks, profile)
             stream_free[group] = ends[node] = start + duration
             # Where collectives take cycles from compute, compute loses that share meanwhile.
-            clock += (1 - profile.comm_overlap) * duration
+            exposed[node] = (1 - profile.comm_overlap) * duration
+            clock += exposed[node]
             busy[group] = busy.get(group, 0.0) + duration
             comm_bytes[kind] += nbytes
             params = tuple(node.meta.get(PARAMS, ()))
+            event_of[node] = len(timeline)
             timeline.append(Event(f"comm:{group}", node.name, start, start + duration, stage, kind, nbytes, params))
         elif is_wait(node):
-            clock = max(clock, ends.get(_issuer(node.args[0], sources), 0.0))
+            waited = issuer(node.args[0], sources)
+            if ends.get(waited, 0.0) > clock:  # compute stalls until the collective ends
+                stalls.append(Stall(clock, ends[waited], timeline[event_of[waited]].stage, waited.name))
+                exposed[waited] += ends[waited] - clock
+                clock = ends[waited]
         elif duration := node_time(node, profile):
             timeline.append(Event("compute", node.name, clock, clock + duration, stage))
             clock += duration
             compute_time += duration
-    # A collective nobody waits for still has to finish within the step.
-    step_time = max([clock, *stream_free.values()])
+    # A collective nobody waits for still has to finish within the step: the tail past the
+    # last compute goes to the collectives running in it, each for the part it extends.
+    step_time, covered = max([clock, *stream_free.values()]), clock
+    for node in sorted((n for n in ends if ends[n] > clock), key=lambda n: (ends[n], event_of[n])):
+        if ends[node] > covered:
+            stalls.append(Stall(covered, ends[node], timeline[event_of[node]].stage, node.name))
+            exposed[node] += ends[node] - covered
+            covered = ends[node]
+    for node, i in event_of.items():
+        timeline[i] = dataclasses.replace(timeline[i], exposed=exposed[node])
     comm_time = sum(busy.values())
-    exposed = step_time - compute_time
+    exposed_comm = step_time - compute_time
     # exposed <= comm_time holds exactly (compute only stalls while a comm stream is busy);
     # the clamp only absorbs rounding.
-    overlap = 1.0 if comm_time == 0 else min(1.0, max(0.0, (comm_time - exposed) / comm_time))
+    overlap = 1.0 if comm_time == 0 else min(1.0, max(0.0, (comm_time - exposed_comm) / comm_time))
     return dict(
         step_time=step_time,
         compute_time=compute_time,
         comm_time=comm_time,
         comm_by_group=busy,
-        exposed_comm=exposed,
+        exposed_comm=exposed_comm,
         overlap_ratio=overlap,
         comm_bytes=comm_bytes,
         timeline=timeline,
+        stalls=sorted(stalls, key=lambda s: s.start),
         starts=starts,
     )
 
 
-def _element_values(node: fx.Node) -> list:
-    value = node.meta.get("val")
-    return list(value) if isinstance(value, (list, tuple)) else [value]
-
-
-def _memory(order: list[tuple[str, fx.Node]], sources: dict[fx.Node, fx.Node], has_backward: bool) -> dict:
-    """Live bytes after each node allocates, their peak, the gathered peak, and the lower
-    bound of :class:`StepAnalysis`.
-
-    A storage is allocated when its node runs and freed after its last use through any
-    alias. Views, getitem and wait_tensor alias their input; a backward placeholder aliases
-    the saved forward value it receives. Pinned until the end of the step: forward
-    placeholders (owned by the caller: parameter shards, the batch), forward user outputs
-    and backward outputs (gradients). Gathered storages: all-gather outputs and the storage
-    of any node tagged ``meta[GATHERED]`` (bucket copy-outs).
-    """
-    end = len(order)
-    size: list[int] = []
-    gathered: list[bool] = []
-    alloc_at: list[int] = []
-    last_use: list[int] = []
-    storages: dict[fx.Node, list[int]] = {}  # per output element; one list entry per tensor
-
-    def allocate(node: fx.Node, pos: int) -> list[int]:
-        ids = []
-        for value in _element_values(node):
-            ids.append(len(size))
-            size.append(tensor_bytes(value))
-            gathered.append(False)
-            alloc_at.append(pos)
-            last_use.append(pos)
-        return ids
-
-    read_gathered: list[set[int]] = [set() for _ in range(end + 1)]  # gathered storages each node reads
-
-    def use(nodes: list[fx.Node], pos: int) -> None:
-        for arg in nodes:
-            for s in storages.get(arg, ()):
-                last_use[s] = max(last_use[s], pos)
-                if gathered[s]:
-                    read_gathered[pos].add(s)
-
-    saved = set(sources.values())
-    for pos, (stage, node) in enumerate(order):
-        base = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
-        base_storages = storages.get(base, [])
-        if node in sources:
-            storages[node] = storages[sources[node]]
-        elif node.op == "call_function" and node.target is operator.getitem and len(base_storages) > node.args[1]:
-            storages[node] = [base_storages[node.args[1]]]
-        elif (is_view(node, hidden=True) or is_wait(node)) and base_storages:
-            storages[node] = [base_storages[0]] * len(_element_values(node))
-        elif node.op != "output":
-            storages[node] = allocate(node, pos)
-        if node.op == "call_function" and (collective_kind(node) == "all_gather" or node.meta.get(GATHERED)):
-            for s in storages[node]:
-                gathered[s] = True
-        use(node.all_input_nodes, pos)
-        if is_wait(node):
-            # The comm stream reads the collective's inputs until it ends, i.e. until the wait.
-            use(_issuer(node.args[0], sources).all_input_nodes, pos)
-
-        pinned: list[fx.Node] = []
-        if node.op == "placeholder" and stage == "forward":
-            pinned = [node]
-        elif node.op == "output":
-            pinned = node.all_input_nodes
-            if stage == "forward" and has_backward:
-                pinned = [n for n in pinned if n not in saved]
-        use(pinned, end)
-
-    alloc = [0] * (end + 1)
-    alloc_gathered = [0] * (end + 1)
-    free = [0] * (end + 1)
-    free_gathered = [0] * (end + 1)
-    for s, nbytes in enumerate(size):
-        alloc[alloc_at[s]] += nbytes
-        free[last_use[s]] += nbytes
-        if gathered[s]:
-            alloc_gathered[alloc_at[s]] += nbytes
-            free_gathered[last_use[s]] += nbytes
-    live, live_gathered = _live(alloc, free), _live(alloc_gathered, free_gathered)
+def _memory(order: Order, sources: dict[fx.Node, fx.Node], has_backward: bool, starts: list[float]) -> dict:
+    """Live bytes after each node allocates (in total and per category), their peak and what
+    is alive there, the gathered peak, and the lower bound of :class:`StepAnalysis`.
+    Gathered storages: all-gather outputs and the storage of any node tagged
+    ``meta[GATHERED]`` (bucket copy-outs)."""
+    live = Liveness(order, sources, has_backward)
+    categorize(live, order, sources)
+    total, gathered = live.curve(), live.curve(gathered=True)
+    by_category = {c: live.curve(c) for c in CATEGORIES}
+    end = live.end
+    pos = max(range(end), key=lambda i: (total[i], -i)) if end else 0  # the first position of the peak
+    sizes = [s.nbytes for s in live.storages]
     return dict(
-        live=live[:end],
-        peak=max(live),
-        peak_gathered=max(live_gathered),
-        lower_bound=max(
-            a - g + sum(size[s] for s in reads) for a, g, reads in zip(live, live_gathered, read_gathered)
+        memory_curve=list(zip(starts, total[:end])),
+        memory_by_category={c: curve[:end] for c, curve in by_category.items()},
+        memory_peak=peak_of(live, pos, starts[pos] if end else 0.0, order, by_category),
+        peak_bytes=max(total),
+        peak_gathered_bytes=max(gathered),
+        memory_lower_bound=max(
+            a - g + sum(sizes[s] for s in reads) for a, g, reads in zip(total, gathered, live.reads_gathered)
         ),
     )
-
-
-def _live(alloc: list[int], free: list[int]) -> list[int]:
-    # At each position a node's outputs and inputs are live together: allocate, measure, free.
-    live, curve = 0, []
-    for added, removed in zip(alloc, free):
-        live += added
-        curve.append(live)
-        live -= removed
-    return curve
 
 
 def _free_compute(gm: fx.GraphModule, profile: DeviceProfile, *, after_collectives: bool) -> float:
@@ -290,15 +223,7 @@ def analyze(forward: fx.GraphModule, backward: fx.GraphModule | None, profile: s
     profile = get_profile(profile)
     stages = [("forward", forward)] + ([("backward", backward)] if backward is not None else [])
     order = [(stage, node) for stage, gm in stages for node in gm.graph.nodes]
-    sources = _saved_sources(forward, backward)
+    sources = saved_sources(forward, backward)
     sim = _simulate(order, sources, profile)
-    mem = _memory(order, sources, backward is not None)
-    starts = sim.pop("starts")
-    return StepAnalysis(
-        **sim,
-        peak_bytes=mem["peak"],
-        peak_gathered_bytes=mem["peak_gathered"],
-        step_lower_bound=_step_lower_bound(forward, backward, sim, profile),
-        memory_lower_bound=mem["lower_bound"],
-        memory_curve=list(zip(starts, mem["live"])),
-    )
+    mem = _memory(order, sources, backward is not None, sim.pop("starts"))
+    return StepAnalysis(**sim, **mem, step_lower_bound=_step_lower_bound(forward, backward, sim, profile))
