@@ -61,7 +61,6 @@ __all__ = [
     "min_cut_rematerialization_partition",
     "must_recompute",
     "optimization_hint",
-    "must_save",
     "recompute_region",
     "register_backend",
     "save_random_ops_in_checkpoints",
@@ -133,11 +132,6 @@ def save_random_ops_in_checkpoints(joint: torch.fx.GraphModule) -> None:
             # A tuple result is saved through its getitems.
             for saved in [node, *(u for u in node.users if u.target is operator.getitem)]:
                 saved.meta["recompute"] = CheckpointPolicy.MUST_SAVE
-
-
-def must_save(node: torch.fx.Node) -> None:
-    """Tag a joint-graph node so the partitioner saves it for backward."""
-    node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
 
 
 _DEVICE_MESH_MODULE = "torch.distributed.device_mesh"

@@ -2,13 +2,12 @@
 
 Installed as ``autoshard.passes``. Their order, stages and schedules are declared in
 ``autoshard/compiler/pipeline.py``; in short: on the joint forward+backward graph,
-merge_shared_parameters, lower_annotations and keep_last_bucket_gathered; on each
+merge_shared_parameters then lower_annotations; on each
 partitioned graph, bucket_collectives then schedule_overlap (or PyTorch's own scheduler,
 inductor_schedule, as a baseline).
 """
 from .bucket import bucket_collectives, plan_buckets
 from .inductor_schedule import inductor_schedule
-from .keep_gathered import keep_last_bucket_gathered
 from .lower import lower_annotations
 from .merge_shared import merge_shared_parameters
 from .schedule import schedule_overlap
@@ -16,7 +15,6 @@ from .schedule import schedule_overlap
 __all__ = [
     "bucket_collectives",
     "inductor_schedule",
-    "keep_last_bucket_gathered",
     "lower_annotations",
     "merge_shared_parameters",
     "plan_buckets",

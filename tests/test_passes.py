@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from autoshard._compat import c10d, recompute_region
-from autoshard.passes import bucket_collectives, keep_last_bucket_gathered, lower_annotations, merge_shared_parameters, schedule_overlap
+from autoshard.passes import bucket_collectives, lower_annotations, merge_shared_parameters, schedule_overlap
 from autoshard.passes.graph_utils import PARAMS, is_op
 from autoshard.passes.schedule import PLAN
 from autoshard.passes.step_model import peak_bytes, step_time
@@ -361,43 +361,6 @@ def test_schedule_issues_reductions_early_and_waits_buckets_later(in_flight, dra
     assert events(backward) == drawing("before")
     schedule_overlap(backward, _matmuls_take_one, lambda n: 0.5, max_reduces_in_flight=in_flight)
     assert events(backward) == drawing(str(in_flight))
-
-
-# keep_last_bucket_gathered (lowered joint graph) --------------------------------------------
-
-
-def _tags(joint: fx.GraphModule) -> dict[str, Any]:
-    return {n.name: n.meta.get("recompute") for n in joint.graph.nodes}
-
-
-def test_reshard_keeps_the_last_bucket_gathered_for_backward(drawing):
-    """The forward's last bucket (block 2 and the norm) is the backward's first: saved, not
-    gathered again (/R: recomputed in backward, /S: saved).
-
-    before:  ag(0.w)/R ag(0.b)/R ag(1.w)/R ag(1.b)/R ag(2.w)/R ag(2.b)/R ag(norm.w)/R ag(norm.b)/R
-    after:   ag(0.w)/R ag(0.b)/R ag(1.w)/R ag(1.b)/R ag(2.w)/S ag(2.b)/S ag(norm.w)/S ag(norm.b)/S
-    """
-    joint = stage(Stack, "lowered")
-    assert _policies(joint) == drawing("before")
-    before = _tags(joint)
-    last = {recompute_region(g) for g in _gathers(joint)[4:]}
-    keep_last_bucket_gathered(joint)
-    assert _policies(joint) == drawing("after")
-    # The whole gather chain (pads, waits, slices, views) of the last bucket is saved; no other tag moves.
-    changed = {name for name, tag in _tags(joint).items() if tag != before[name]}
-    assert changed == {n.name for n in joint.graph.nodes if n.meta.get("ac_graph_id") in last} and len(changed) > 4
-
-
-def test_reshard_keeps_nothing_when_two_last_buckets_exceed_the_bound(drawing):
-    """The last bucket (352 bytes gathered) and the next one, prefetched beside it, must fit
-    the bound: 2 x 352 bytes.
-
-    703 bytes:  ag(0.w)/R ag(0.b)/R ag(1.w)/R ag(1.b)/R ag(2.w)/R ag(2.b)/R ag(norm.w)/R ag(norm.b)/R
-    704 bytes:  ag(0.w)/R ag(0.b)/R ag(1.w)/R ag(1.b)/R ag(2.w)/S ag(2.b)/S ag(norm.w)/S ag(norm.b)/S
-    """
-    for bound in (703, 704):
-        joint = keep_last_bucket_gathered(stage(Stack, "lowered"), max_inflight_bytes=bound)
-        assert _policies(joint) == drawing(f"{bound} bytes")
 
 
 # the step model and the memory budget (bucketed forward of Stack) ---------------------------

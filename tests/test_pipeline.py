@@ -55,7 +55,7 @@ def test_run_applies_only_the_schedules_steps_and_writes_their_stages():
 
 def test_the_report_describes_each_step_from_the_declaration():
     assert pipeline.what_happened("joint", "lowered") == (
-        "shared parameters merged, then annotations replaced by collectives, then last bucket kept gathered (under a memory budget)"
+        "shared parameters merged, then annotations replaced by collectives"
     )
     expected = "partition, then bucket: per-parameter collectives merged into flat ones"
     assert pipeline.what_happened("lowered", "backward_bucketed") == expected

@@ -20,7 +20,6 @@ from autoshard.compiler.options import SCHEDULES
 from autoshard.passes import (
     bucket_collectives,
     inductor_schedule,
-    keep_last_bucket_gathered,
     lower_annotations,
     merge_shared_parameters,
     schedule_overlap,
@@ -102,14 +101,6 @@ def _schedule_overlap(gm: fx.GraphModule, ctx: Context) -> None:
     )
 
 
-def _keep_last_bucket_gathered(gm: fx.GraphModule, ctx: Context) -> None:
-    # Saves the backward's first, unhideable gather, but autograd holds what a compiled
-    # backward takes until it returns: the bucket stays allocated through the whole backward.
-    # So only when the user traded memory for speed with a budget (which then counts it).
-    if ctx.options.memory_budget_gb is not None:
-        keep_last_bucket_gathered(gm, ctx.options.bucket_mb, mib_to_bytes(ctx.options.max_inflight_mb))
-
-
 def _inductor_schedule(gm: fx.GraphModule, ctx: Context) -> None:
     # Shards are padded only on ranks whose shard is short: pricing those pads would let
     # PyTorch's scheduler decide differently per rank. Data movement is priced at zero.
@@ -128,8 +119,6 @@ JOINT: tuple[Step, ...] = (
          "shared parameters merged", frozenset({ANNOTATIONS}), frozenset({MERGED})),
     Pass("lower_annotations", lambda gm, ctx: lower_annotations(gm, ctx.options.reshard_after_forward),
          "annotations replaced by collectives", frozenset({MERGED}), frozenset({LOWERED, RECOMPUTE_TAGS})),
-    Pass("keep_last_bucket_gathered", _keep_last_bucket_gathered, "last bucket kept gathered (under a memory budget)",
-         frozenset({LOWERED, RECOMPUTE_TAGS}), schedules=OURS),
     Stage("lowered"),
 )
 

@@ -5,13 +5,17 @@ from graph structure alone.
 A storage is allocated when its node runs and freed after its last use through any alias. Views,
 getitem and wait_tensor alias their input; a backward placeholder aliases the saved forward
 value it receives. Pinned until the end of the step: forward placeholders (owned by the caller:
-parameter shards, the batch), forward user outputs and backward outputs (gradients).
+parameter shards, the batch), forward outputs (user outputs, and the values saved for the
+backward: autograd releases what a compiled backward takes only once it returns) and backward
+outputs (gradients). A collective whose profile stages its buffer (gloo) also holds a
+workspace from its issue to its wait.
 """
 from __future__ import annotations
 
 import operator
 import re
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import fx
@@ -94,25 +98,33 @@ class Liveness:
     reads (for the memory lower bound).
     """
 
-    def __init__(self, order: Order, sources: dict[fx.Node, fx.Node], has_backward: bool) -> None:
+    def __init__(
+        self, order: Order, sources: dict[fx.Node, fx.Node], has_backward: bool, workspace: Callable[[fx.Node], int] | None = None
+    ) -> None:
         self.end = len(order)
         self.storages: list[Storage] = []
         self.of: dict[fx.Node, list[int]] = {}
+        self.workspaces: dict[fx.Node, int] = {}  # collective -> its workspace storage
         self.reads_gathered: list[set[int]] = [set() for _ in range(self.end + 1)]
-        saved = set(sources.values())
         for pos, (stage, node) in enumerate(order):
             self._place(node, stage, pos, sources)
+            if workspace is not None and collective_kind(node) is not None and (extra := workspace(node)):
+                self.workspaces[node] = len(self.storages)
+                self.storages.append(Storage(extra, node, stage, pos, pos))
             self._use(node.all_input_nodes, pos)
             if is_wait(node):
                 # The comm stream reads the collective's inputs until it ends, i.e. until the wait.
-                self._use(issuer(node.args[0], sources).all_input_nodes, pos)
+                collective = issuer(node.args[0], sources)
+                self._use(collective.all_input_nodes, pos)
+                if collective in self.workspaces:
+                    self.storages[self.workspaces[collective]].last_use = pos
             pinned: list[fx.Node] = []
             if node.op == "placeholder" and stage == "forward":
                 pinned = [node]
+            elif node.op == "output" and stage == "forward":
+                pinned = node.all_input_nodes
             elif node.op == "output":
                 pinned = node.all_input_nodes
-                if stage == "forward" and has_backward:
-                    pinned = [n for n in pinned if n not in saved]
             self._use(pinned, self.end)
 
     def _place(self, node: fx.Node, stage: str, pos: int, sources: dict[fx.Node, fx.Node]) -> None:
@@ -228,6 +240,8 @@ def categorize(live: Liveness, order: Order, sources: dict[fx.Node, fx.Node]) ->
     for node, chain, _ in gathers + reductions:
         claim(chain + [node], "comm_buffers")
     claim(list(sources.values()), "activations")
+    for s in live.workspaces.values():
+        claimed[s] = "comm_buffers"
     for storage, category in zip(live.storages, claimed):
         storage.category = category or "temporaries"
 

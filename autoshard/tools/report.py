@@ -23,6 +23,7 @@ from autoshard.compiler import dump
 from autoshard.compiler.cost_model import COLLECTIVE_KINDS, DeviceProfile, get_profile
 from autoshard.compiler.pipeline import STAGES
 from autoshard.passes.graph_utils import arg
+from autoshard.passes.schedule import PLAN
 from autoshard.tools.liveness import CATEGORIES, parameters_label
 from autoshard.tools.report_code import node_block
 from autoshard.tools.report_html import render_html
@@ -185,6 +186,7 @@ class Report:
             ("overlap ratio", f"{a.overlap_ratio:.3f}"),
             ("peak memory per rank", _fmt_bytes(a.peak_bytes) + (f" ({p.stage}, at {_fmt_time(p.time)})" if (p := a.memory_peak) else "")),
             *self._peak_rows(),
+            *self._budget_rows(),
             ("peak gathered parameters", _fmt_bytes(a.peak_gathered_bytes)),
             ("bytes per parameter (GB per billion)", f"{m['bytes_per_parameter']:.3g}" if m["bytes_per_parameter"] else "unknown"),
             ("step lower bound", f"{_fmt_time(a.step_lower_bound)} (gap {100 * m['step_gap']:.1f}%)"),
@@ -208,6 +210,20 @@ class Report:
                 for c, b in sorted(peak.by_category.items(), key=lambda kv: -kv[1]) if b]
         rows += [("at the peak: largest" if i == 0 else "", f"{_fmt_bytes(t.nbytes)} {CATEGORIES[t.category]}"
                   f"{': ' + t.owner if t.owner else ''} ({t.stage} {t.node})") for i, t in enumerate(peak.largest[:top])]
+        return rows
+
+    def _budget_rows(self) -> list[tuple[str, str]]:
+        """The schedule's memory plan per graph: its budget (given, or FSDP2's peak by
+        default), its predicted peak with optimizer state, and what the budget changed."""
+        rows = []
+        for side in ("forward", "backward"):
+            plan = self.stages[side].meta.get(PLAN) if side in self.stages else None
+            if plan is None or plan.budget_bytes is None:
+                continue
+            forced = "; ".join(plan.forced) if plan.forced else "nothing"
+            rows.append((f"memory plan ({side})", f"budget {_fmt_bytes(plan.budget_bytes)}, predicted peak "
+                         f"{_fmt_bytes(plan.peak_bytes)} with optimizer state, smallest that fits "
+                         f"{_fmt_bytes(plan.smallest_bytes or 0)}; the budget changed: {forced}"))
         return rows
 
     def summary(self) -> str:
