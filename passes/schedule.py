@@ -115,7 +115,7 @@ def _capped(g: _Graph, distances: list[int], max_inflight_bytes: int) -> list[in
             if d == 0:
                 need = _peak(alive, g.issue_at(j, d), gather.last_use) + gather.nbytes
                 raise ValueError(
-                    f"autoshard option max_inflight_mb={max_inflight_bytes / 2**20:.3f} is below the {need / 2**20:.3f} MiB of "
+                    f"autoshard option 'max_inflight_mb': {max_inflight_bytes / 2**20:.3f} MiB is below the {need / 2**20:.3f} MiB of "
                     "gathered parameters this graph holds at once even without prefetching; raise max_inflight_mb or "
                     "lower bucket_mb."
                 )
@@ -203,8 +203,8 @@ def _fit(g: _Graph, plan: SchedulePlan, budget: int, evaluate: Callable[[Schedul
             steps.append(replace(plan, reduces_in_flight=plan.reduces_in_flight - 1))
         if not steps:
             raise ValueError(
-                f"autoshard option memory_budget_gb={budget / 2**30:.3f} is below what this graph needs even gathering "
-                f"each bucket at its use with one reduction in flight: {plan.peak_bytes / 2**30:.3f} GiB. Raise "
+                f"autoshard option 'memory_budget_gb': {budget / 2**30:.3f} GiB is below what this graph needs even gathering "
+                f"each bucket at its use with one reduction in flight, {plan.peak_bytes / 2**30:.3f} GiB; raise "
                 "memory_budget_gb to at least that, lower bucket_mb, or shard over more ranks."
             )
         tried = [evaluate(s) for s in steps]
