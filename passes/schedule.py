@@ -116,7 +116,7 @@ def _capped(g: _Graph, distances: list[int], max_inflight_bytes: int) -> list[in
             if d == 0:
                 need = _peak(alive, g.issue_at(j, d), gather.last_use) + gather.nbytes
                 raise ValueError(
-                    f"autoshard option max_inflight_mb={max_inflight_bytes / 2**20:.3f} is below the {need / 2**20:.3f} MiB of "
+                    f"autoshard option 'max_inflight_mb': {max_inflight_bytes / 2**20:.3f} MiB is below the {need / 2**20:.3f} MiB of "
                     "gathered parameters this graph holds at once even without prefetching; raise max_inflight_mb or "
                     "lower bucket_mb."
                 )
@@ -190,9 +190,9 @@ def schedule_overlap(
         smallest = evaluate(SchedulePlan((0,) * len(fast), 1)).peak_bytes
         if smallest > budget:
             raise ValueError(
-                f"autoshard option memory_budget_gb={budget / 2**30:.3f} is below what this graph needs even gathering "
-                f"each bucket at its use with one reduction in flight: {smallest / 2**30:.3f} GiB. Raise "
-                "memory_budget_gb to at least that, lower bucket_mb, or shard over more ranks."
+                f"autoshard option 'memory_budget_gb': {budget / 2**30:.3f} GiB is below what this graph needs even gathering "
+                f"each bucket at its use with one reduction in flight, {smallest / 2**30:.3f} GiB; raise memory_budget_gb to "
+                "at least that, lower bucket_mb, shard over more ranks, or recompute activations (torch.utils.checkpoint)."
             )
         plan = _fit(g, evaluate(plan), budget, evaluate)
         if reference is not None and reference.peak_bytes <= budget and reference.step_time < plan.step_time:

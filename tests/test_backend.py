@@ -32,7 +32,7 @@ def test_defaults():
 @pytest.mark.parametrize(
     "options, message",
     [
-        ({"bucket": 4}, r"unknown autoshard option\(s\) \['bucket'\]; valid options are \['compiler'"),
+        ({"bucket": 4}, r"autoshard backend: unknown option\(s\) \['bucket'\]; valid options are \['compiler'"),
         ({"compiler": "tvm"}, r"'compiler' must be one of \('inductor', 'aot_eager', 'eager'\), got 'tvm'"),
         ({"reshard_after_forward": "yes"}, "'reshard_after_forward' must be True, False or None"),
         ({"debug_dir": 3}, "'debug_dir' must be a path string"),
@@ -46,7 +46,7 @@ def test_bad_options_are_named(options, message):
 def test_bad_options_fail_the_compile():
     torch._dynamo.reset()
     model = torch.compile(torch.nn.Linear(4, 2), backend="autoshard", options={"compilr": "eager"})
-    with pytest.raises(Exception, match="unknown autoshard option"):
+    with pytest.raises(Exception, match="autoshard backend: unknown option"):
         model(torch.ones(1, 4))
 
 

@@ -220,7 +220,7 @@ def test_the_console_command_exits_nonzero_on_a_bad_factory():
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and proc.stdout == ""
     assert proc.stderr.strip() == "autoshard explain: cannot load nope from examples/train_gpt.py: AttributeError: " \
-        "module '_autoshard_explain_train_gpt' has no attribute 'nope'"
+        "module '_autoshard_explain_train_gpt' has no attribute 'nope'; fix the path, the name or the file"
 
 
 def _sharding_factory(strategy: str | None, mesh_shape: tuple[int, ...] | None = None):

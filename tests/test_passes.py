@@ -338,7 +338,7 @@ def test_schedule_prefetches_less_to_stay_within_the_memory_bound(drawing):
     bound = _gathered_bytes(second) + _gathered_bytes(third)
     schedule_overlap(forward, _matmuls_take_one, lambda n: 1.5, max_inflight_bytes=bound)
     assert events(forward) == drawing("after")
-    with pytest.raises(ValueError, match="max_inflight_mb=.* is below the"):  # not even gathering at use fits
+    with pytest.raises(ValueError, match="option 'max_inflight_mb': .* MiB is below the"):  # not even gathering at use fits
         schedule_overlap(_bucketed("forward"), _matmuls_take_one, lambda n: 1.5, max_inflight_bytes=_gathered_bytes(third) - 1)
 
 
@@ -396,7 +396,7 @@ def test_schedule_fits_a_memory_budget_and_names_the_smallest_that_fits():
     fitted = plan(memory_budget_bytes=budget)
     assert fitted.peak_bytes <= budget < fast.peak_bytes and fitted.forced
     assert fast.step_time <= fitted.step_time <= slowest.step_time
-    with pytest.raises(ValueError, match=f"memory_budget_gb=.* {slowest.peak_bytes / 2**30:.3f} GiB"):
+    with pytest.raises(ValueError, match=f"option 'memory_budget_gb': .* {slowest.peak_bytes / 2**30:.3f} GiB"):
         plan(memory_budget_bytes=slowest.peak_bytes - 1)
     fsdp2 = plan(max_prefetch=1, max_reduces_in_flight=1)
     capped = plan(no_more_than=(1, 1))

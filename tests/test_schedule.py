@@ -119,12 +119,12 @@ def test_a_memory_budget_bounds_the_predicted_peak():
 
 
 def test_a_budget_no_schedule_fits_is_a_clear_error():
-    with pytest.raises(Exception, match=r"memory_budget_gb=0\.000 is below what this graph needs .* GiB"):
+    with pytest.raises(Exception, match=r"autoshard option 'memory_budget_gb': 0\.000 GiB is below what this graph needs .* GiB"):
         _compile(memory_budget_gb=1e-6)
 
 
 def test_a_bound_too_small_for_any_schedule_is_a_clear_error():
-    with pytest.raises(Exception, match=r"max_inflight_mb=0\.010 is below the .* MiB of gathered parameters"):
+    with pytest.raises(Exception, match=r"autoshard option 'max_inflight_mb': 0\.010 MiB is below the .* MiB of gathered parameters"):
         _compile(max_inflight_mb=0.01)
 
 

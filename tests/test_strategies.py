@@ -197,7 +197,7 @@ def test_hybrid_reduce_scatters_within_and_all_reduces_across_replicas():
     "kwargs, message",
     [
         ({"strategy": "zero3"}, r"strategy must be one of \('full', 'grad_op', 'replicate', 'hybrid'\), got 'zero3'"),
-        ({"strategy": "hybrid"}, r"strategy='hybrid' needs a 2-D mesh: pass mesh=init_device_mesh"),
+        ({"strategy": "hybrid"}, r"autoshard.shard: strategy='hybrid' needs a 2-D mesh; pass mesh=init_device_mesh"),
         ({"strategy": "grad_op", "reshard_after_forward": True}, "strategy='grad_op' keeps full parameters"),
         ({"strategy": "full", "mesh": (2, 4)}, "strategy='full' needs a 1-D DeviceMesh, got 2-D"),
         ({"strategy": "hybrid", "mesh": (8,)}, r"strategy='hybrid' needs a 2-D DeviceMesh, got 1-D .*\(replicas, shard_size\)"),
@@ -216,5 +216,6 @@ def test_bad_arguments_are_refused_and_change_nothing(kwargs, message):
 
 
 def test_mixed_precision_dtypes_must_be_floating_point():
-    with pytest.raises(ValueError, match=r"MixedPrecision.param_dtype must be a floating-point torch.dtype or None, got torch.int8"):
+    message = r"autoshard.MixedPrecision: param_dtype must be a floating-point torch.dtype or None, got torch.int8"
+    with pytest.raises(ValueError, match=message):
         autoshard.MixedPrecision(param_dtype=torch.int8)

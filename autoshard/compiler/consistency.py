@@ -53,12 +53,13 @@ def _wait_for_plans(keys: list[str], what: str) -> None:
     while not store.check(keys):
         if (failure := recorded_failure(_COMPILE_FAILED)) is not None:
             failed, message = failure
-            raise RuntimeError(f"autoshard: rank {failed} failed compiling ({message}); rank {dist.get_rank()} stops "
-                               f"too instead of waiting for its {what} plan.")
+            raise RuntimeError(f"autoshard backend: rank {failed} failed compiling ({message}); rank {dist.get_rank()} stops "
+                               f"too instead of waiting for its {what} plan; fix the error rank {failed} raised (its own "
+                               "traceback shows where).")
         if time.monotonic() > deadline:
             raise RuntimeError(
-                f"autoshard: not every rank compiled a {what} graph within {EXCHANGE_TIMEOUT}; ranks are compiling "
-                "different graphs (a graph break or recompilation on some ranks only?). Make every rank run the same "
+                f"autoshard backend: not every rank compiled a {what} graph within {EXCHANGE_TIMEOUT}; ranks are compiling "
+                "different graphs (a graph break or recompilation on some ranks only?); make every rank run the same "
                 "model code with the same shapes and options."
             )
         time.sleep(pause)
@@ -117,7 +118,7 @@ def check_ranks_agree(gm: fx.GraphModule, what: str) -> None:
             groups.setdefault(sig, []).append(r)
         detail = "; ".join(f"ranks {ranks}: {sig}" for sig, ranks in sorted(groups.items(), key=lambda kv: kv[1]))
         raise RuntimeError(
-            f"autoshard: ranks compiled different communication plans for the {what} graph ({detail}). "
-            "Running it would hang. Make every rank run the same model code with the same shapes and options "
+            f"autoshard backend: ranks compiled different communication plans for the {what} graph ({detail}), "
+            "and running it would hang; make every rank run the same model code with the same shapes and options "
             "(per-rank branches or per-rank input shapes split the plan)."
         )

@@ -65,7 +65,7 @@ class Options:
         for name, unit in (("bucket_mb", "MiB"), ("max_inflight_mb", "MiB"), ("memory_budget_gb", "GiB")):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
-                raise ValueError(f"autoshard option {name!r} must be a positive number of {unit}, got {value!r}.")
+                raise ValueError(f"autoshard option '{name}' must be a positive number of {unit}, got {value!r}.")
         if isinstance(self.optimizer_states, bool) or not isinstance(self.optimizer_states, int) or self.optimizer_states < 0:
             raise ValueError(
                 f"autoshard option 'optimizer_states' must be a whole number >= 0 (2 for Adam/AdamW), got {self.optimizer_states!r}."
@@ -85,5 +85,6 @@ def parse_options(options: dict[str, Any] | None) -> Options:
     valid = [f.name for f in fields(Options)]
     unknown = sorted(set(options) - set(valid))
     if unknown:
-        raise ValueError(f"unknown autoshard option(s) {unknown}; valid options are {valid}.")
+        raise ValueError(f"autoshard backend: unknown option(s) {unknown}; valid options are {valid}: "
+                         "fix the key(s) in torch.compile(..., options={...}).")
     return Options(**options)

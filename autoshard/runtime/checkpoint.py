@@ -187,13 +187,14 @@ def _pack(extra: dict[str, Any]) -> bytes:
     """``extra`` as bytes that ``torch.load(weights_only=True)`` reads back, checked now: a
     value it could not read later (a function, an arbitrary object) fails the save, not the load."""
     if not isinstance(extra, dict) or not all(isinstance(k, str) for k in extra):
-        raise TypeError(f"extra must be a dict with str keys, got {type(extra).__name__}")
+        raise TypeError(f"autoshard.save: extra must be a dict with str keys, got {type(extra).__name__}; "
+                        "pass e.g. extra={'step': step, 'scheduler': scheduler.state_dict()}.")
     buffer = io.BytesIO()
     try:
         torch.save(extra, buffer)
         torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
     except Exception as e:
-        raise TypeError(f"extra must hold only plain data and tensors (what torch.load(weights_only=True) "
+        raise TypeError(f"autoshard.save: extra must hold only plain data and tensors (what torch.load(weights_only=True) "
                         f"reads: numbers, strings, lists, dicts, tensors); save an object's state_dict() instead: {e}") from None
     return buffer.getvalue()
 
@@ -262,16 +263,20 @@ def _read_checked(path: Path) -> tuple[dict[str, list[int]], Metadata]:
     try:
         files = json.loads((path / _MANIFEST).read_text())["files"]
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{path} is not a complete autoshard checkpoint: no valid {_MANIFEST} ({e})") from e
+        raise ValueError(f"autoshard.load: {path} is not a complete autoshard checkpoint: no valid {_MANIFEST} ({e}); "
+                         "pass a directory that autoshard.save completed.") from e
     if _checksum(path / _METADATA) != files.get(_METADATA):
-        raise ValueError(f"checkpoint {path}: {_METADATA} is missing, truncated or corrupted (checksum differs)")
+        raise ValueError(f"autoshard.load: checkpoint {path}: {_METADATA} is missing, truncated or corrupted (checksum differs); "
+                         "restore the checkpoint from a copy or load an earlier one.")
     try:
         with open(path / _METADATA, "rb") as f:
             metadata = _MetadataUnpickler(f).load()
     except Exception as e:
-        raise ValueError(f"checkpoint {path}: cannot read {_METADATA}: {e}") from e
+        raise ValueError(f"autoshard.load: checkpoint {path}: cannot read {_METADATA}: {e}; load only checkpoints that "
+                         "autoshard.save wrote (restore this one from a copy).") from e
     if not isinstance(metadata, Metadata):
-        raise ValueError(f"checkpoint {path}: {_METADATA} holds {type(metadata).__name__}, not DCP Metadata")
+        raise ValueError(f"autoshard.load: checkpoint {path}: {_METADATA} holds {type(metadata).__name__}, not DCP Metadata; "
+                         "load only checkpoints that autoshard.save wrote.")
     return files, metadata
 
 
@@ -301,7 +306,8 @@ def _compare(path: Path, expected: dict[str, Any], metadata: Metadata, prefixes:
     problems = [_listing(kind, keys) for kind, keys in
                 (("missing", missing), ("unexpected", unexpected), ("mismatched", sorted(mismatched))) if keys]
     if problems:
-        raise ValueError(f"checkpoint {path} does not match the model/optimizer: " + "; ".join(problems))
+        raise ValueError(f"autoshard.load: checkpoint {path} does not match the model/optimizer: " + "; ".join(problems)
+                         + "; build the model (and optimizer) as the saving run did, then load.")
 
 
 def _verify_files(path: Path, files: dict[str, list[int]], metadata: Metadata, group: dist.ProcessGroup | None) -> None:
@@ -313,12 +319,14 @@ def _verify_files(path: Path, files: dict[str, list[int]], metadata: Metadata, g
     names = sorted(set(files) | set(where))
     outside = [n for n in names if Path(n).name != n or n in ("", ".", "..")]
     if outside:
-        raise ValueError(f"checkpoint {path}: files outside the checkpoint directory: {outside}")
+        raise ValueError(f"autoshard.load: checkpoint {path}: files outside the checkpoint directory: {outside}; not reading "
+                         "them: load only checkpoints that autoshard.save wrote.")
     bad = _on_all_ranks([n for n in names[rank::world] if n not in files or _checksum(path / n) != files[n]], group)
     if bad:
         keys = sorted(k for n in bad for k in where.get(n, ()))
-        raise ValueError(f"checkpoint {path}: files {bad} are missing, truncated or corrupted "
-                         f"(size or CRC32 differs from {_MANIFEST}); " + _listing("keys stored there", keys))
+        raise ValueError(f"autoshard.load: checkpoint {path}: files {bad} are missing, truncated or corrupted "
+                         f"(size or CRC32 differs from {_MANIFEST}); " + _listing("keys stored there", keys)
+                         + "; restore the checkpoint from a copy or load an earlier one.")
 
 
 def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
@@ -343,7 +351,7 @@ def _load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,
     if not (path / _MANIFEST).exists() and old.exists():
         path = old  # a save crashed after moving the previous checkpoint aside
     if not path.exists():
-        raise FileNotFoundError(f"no checkpoint at {path}")
+        raise FileNotFoundError(f"autoshard.load: no checkpoint at {path}; pass the directory given to autoshard.save.")
     fresh = optimizer is not None and not optimizer.state
     grads = {}
     if fresh:  # DCP initialises empty optimizer state with a zero-lr step, which needs no grads
@@ -363,7 +371,8 @@ def _load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,
                 dcp.load(loaded, storage_reader=_Reader(path, metadata), planner=_Planner(), no_dist=not _distributed(),
                          process_group=group)
         except dcp.CheckpointException as e:  # a BaseException: make it an ordinary error
-            raise RuntimeError(f"reading checkpoint {path} failed: {e}") from None
+            raise RuntimeError(f"autoshard.load: reading checkpoint {path} failed: {e}; the model and optimizer are unchanged: "
+                                   "fix what DCP reports and load again.") from None
     except BaseException:
         if fresh:
             optimizer.state.clear()  # back to the empty state it had

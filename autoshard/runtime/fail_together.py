@@ -87,7 +87,7 @@ def fail_together(what: str) -> Iterator[Link]:
     """Run the block on every rank; if it raises on one, it raises on all within seconds.
 
     The rank that failed first re-raises its own error; ranks whose collectives broke raise
-    ``RuntimeError`` ("``what`` failed on rank R: ...") chained to what they saw; a rank that
+    ``RuntimeError`` ("``what``: failed on rank R: ...") chained to what they saw; a rank that
     raised an error of its own re-raises it. Call it on every rank, as any
     collective. Costs one new gloo group (its connections) and one barrier per block.
     """
@@ -106,7 +106,8 @@ def fail_together(what: str) -> Iterator[Link]:
         # A broken collective raises RuntimeError; an error of this rank's own (a ValueError
         # every rank found alike) is re-raised as it is.
         if failed_rank != rank and isinstance(error, RuntimeError):
-            raise RuntimeError(f"{what} failed on rank {failed_rank}: {message} (rank {rank} stopped with it)") from error
+            raise RuntimeError(f"{what}: failed on rank {failed_rank}: {message} (rank {rank} stopped with it); "
+                               f"fix the error rank {failed_rank} raised (its own traceback shows where).") from error
         raise
     dist.destroy_process_group(link.group)
 

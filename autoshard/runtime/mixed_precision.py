@@ -37,7 +37,8 @@ class MixedPrecision:
         for field in ("param_dtype", "reduce_dtype"):
             dtype = getattr(self, field)
             if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-                raise ValueError(f"MixedPrecision.{field} must be a floating-point torch.dtype or None, got {dtype!r}.")
+                raise ValueError(f"autoshard.MixedPrecision: {field} must be a floating-point torch.dtype or None, got {dtype!r}; "
+                                 "pass e.g. torch.bfloat16, or None to keep the dtype as it is.")
 
 
 def dtypes_for(param: torch.Tensor, policy: MixedPrecision | None) -> tuple[torch.dtype | None, torch.dtype | None]:

@@ -184,7 +184,7 @@ def _check(
 ) -> None:
     if getattr(module, _SHARDED, False):
         raise ValueError(
-            f"{type(module).__name__} is already sharded: call autoshard.shard once per module "
+            f"autoshard.shard: {type(module).__name__} is already sharded; call autoshard.shard once per module "
             "(to shard blocks separately, shard each block first, then the root)."
         )
     if strategy not in STRATEGIES:
@@ -193,15 +193,16 @@ def _check(
         raise ValueError(f"autoshard.shard: reshard_after_forward must be True, False or None, got {reshard_after_forward!r}.")
     if reshard_after_forward and strategy in ("grad_op", "replicate"):
         raise ValueError(
-            f"strategy={strategy!r} keeps full parameters from forward to backward, which reshard_after_forward=True "
-            "contradicts: use strategy='full' (or 'hybrid') to reshard."
+            f"autoshard.shard: strategy={strategy!r} keeps full parameters from forward to backward, which "
+            "reshard_after_forward=True contradicts; use strategy='full' (or 'hybrid') to reshard, or leave reshard_after_forward unset."
         )
     if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
-        raise ValueError(f"mixed_precision must be an autoshard.MixedPrecision, got {type(mixed_precision).__name__}.")
+        raise ValueError(f"autoshard.shard: mixed_precision must be an autoshard.MixedPrecision, got {type(mixed_precision).__name__}; "
+                         "pass e.g. mixed_precision=autoshard.MixedPrecision(param_dtype=torch.bfloat16).")
     dims = 2 if strategy == "hybrid" else 1
     if strategy == "hybrid" and mesh is None:
         raise ValueError(
-            "strategy='hybrid' needs a 2-D mesh: pass mesh=init_device_mesh(device_type, (replicas, shard_size)); "
+            "autoshard.shard: strategy='hybrid' needs a 2-D mesh; pass mesh=init_device_mesh(device_type, (replicas, shard_size)): "
             "parameters are sharded over the second dimension and replicated over the first."
         )
     if mesh is None:
@@ -209,14 +210,15 @@ def _check(
     if mesh.ndim != dims:
         shape = "(replicas, shard_size)" if dims == 2 else "(world_size,)"
         raise ValueError(
-            f"autoshard.shard with strategy={strategy!r} needs a {dims}-D DeviceMesh, got {mesh.ndim}-D {mesh}: "
+            f"autoshard.shard: strategy={strategy!r} needs a {dims}-D DeviceMesh, got {mesh.ndim}-D {mesh}; "
             f"use init_device_mesh(device_type, {shape})."
         )
     if not dist.is_initialized():
-        raise ValueError("A mesh was given but no process group is initialised: call init_process_group first.")
+        raise ValueError("autoshard.shard: a mesh was given but no process group is initialised; call init_process_group first "
+                         "(or pass no mesh to run as one process).")
     if mesh.size() != dist.get_world_size():
         raise ValueError(
-            f"mesh has {mesh.size()} ranks but the process group has {dist.get_world_size()}: "
+            f"autoshard.shard: mesh has {mesh.size()} ranks but the process group has {dist.get_world_size()}; "
             "pass a mesh over all ranks, e.g. init_device_mesh(device_type, (world_size,))."
         )
 

@@ -209,7 +209,8 @@ def measure(
 ) -> Measurements:
     """Run the measurements described in the module docstring."""
     if not world_sizes or any(w < 2 for w in world_sizes):
-        raise ValueError(f"world sizes must be >= 2 (a collective needs two ranks), got {list(world_sizes)}; e.g. --world-sizes 2 4")
+        raise ValueError(f"autoshard calibrate: world sizes must be >= 2 (a collective needs two ranks), got {list(world_sizes)}; "
+                         "pass e.g. --world-sizes 2 4")
     sizes = tuple(sizes or (QUICK_SIZES if quick else DEFAULT_SIZES))
     samples: list[Sample] = []
     compute: dict[str, float] = {}

@@ -61,7 +61,8 @@ def explain(model_or_factory: ModelOrFactory, *example_args: Any, world_size: in
     reports = explain_graphs(model_or_factory, *example_args, world_size=world_size, profile=profile, **options)
     if len(reports) != 1:
         raise ValueError(
-            f"Dynamo compiled {len(reports)} graphs (graph breaks); autoshard.explain_graphs returns one report per graph."
+            f"autoshard.explain: Dynamo compiled {len(reports)} graphs (graph breaks); use autoshard.explain_graphs, which "
+            "returns one report per graph, or remove the graph breaks."
         )
     return reports[0]
 
@@ -91,21 +92,23 @@ def _explain(
     reads a GPT's block size from it)."""
     if dist.is_initialized():
         raise RuntimeError(
-            "autoshard.explain runs on its own fake process group: call it before init_process_group "
-            "or after destroy_process_group."
+            "autoshard.explain: a process group is initialised, but explain runs on its own fake process group; call it before "
+            "init_process_group or after destroy_process_group."
         )
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a positive int, got {world_size!r}.")
+        raise ValueError(f"autoshard.explain: world_size must be a positive int, got {world_size!r}; pass e.g. world_size=8 "
+                         "(--world-size 8 on the command line).")
     # On CPU inputs the backend's default profile is "cpu"; the report must use the same.
     options = {"compiler": "aot_eager", "profile": profile or "cpu", **options}
     parse_options(options)  # bad options fail here, before anything is built
     module = None
     if isinstance(model_or_factory, nn.Module):
         if getattr(model_or_factory, _SHARDED, False):
-            raise ValueError("the module is already sharded: pass a factory that builds (and may shard) it instead.")
+            raise ValueError("autoshard.explain: the module is already sharded; pass a factory that builds (and may shard) it instead.")
         module = copy.deepcopy(model_or_factory)  # shard() works in place; the caller's module stays as is
     elif not callable(model_or_factory):
-        raise TypeError(f"expected an nn.Module or a callable returning one, got {type(model_or_factory).__name__}.")
+        raise TypeError(f"autoshard.explain: expected an nn.Module or a callable returning one, got {type(model_or_factory).__name__}; "
+                        "pass the model or a function that builds it.")
 
     torch.compiler.reset()  # graphs cached for another world would be reused otherwise
     fake_process_group(0, world_size)
@@ -114,7 +117,8 @@ def _explain(
         with fake_tensor_mode(), recording() as graphs:
             model = module if module is not None else model_or_factory()
             if not isinstance(model, nn.Module):
-                raise TypeError(f"the factory returned {type(model).__name__}, not an nn.Module.")
+                raise TypeError(f"autoshard.explain: the factory returned {type(model).__name__}, not an nn.Module; "
+                                "make it return the model.")
             args = [_fake_like(a) for a in make_args(model)]  # before shard: errors name the user's class
             if not getattr(model, _SHARDED, False):
                 shard(model, mesh)
@@ -124,7 +128,7 @@ def _explain(
                 sum(t.sum() for t in trainable).backward()
         if not graphs:
             raise RuntimeError(
-                "Dynamo compiled no graph: the model's forward ran no tensor operation; pass a model (or factory) "
+                "autoshard.explain: Dynamo compiled no graph: the model's forward ran no tensor operation; pass a model (or factory) "
                 "whose forward computes with its parameters and example inputs it accepts."
             )
         # Built while the fake group lives: collectives are priced by their group's ranks.
@@ -146,7 +150,8 @@ def load_factory(spec: str) -> Callable[[], nn.Module]:
     """``path/to/file.py:name`` or ``package.module:name`` -> the callable ``name``."""
     where, sep, name = spec.rpartition(":")
     if not sep or not where or not name:
-        raise UsageError(f"expected FILE.py:FACTORY or MODULE:FACTORY, got {spec!r}")
+        raise UsageError(f"autoshard explain: expected FILE.py:FACTORY or MODULE:FACTORY, got {spec!r}; "
+                         "e.g. examples/train_gpt.py:build_model")
     try:
         if where.endswith(".py"):
             path = Path(where)
@@ -161,9 +166,11 @@ def load_factory(spec: str) -> Callable[[], nn.Module]:
             module = importlib.import_module(where)
         factory = getattr(module, name)
     except Exception as e:  # anything the file raises on import is the file's problem
-        raise UsageError(f"cannot load {name} from {where}: {type(e).__name__}: {e}") from None
+        raise UsageError(f"autoshard explain: cannot load {name} from {where}: {type(e).__name__}: {e}; "
+                         "fix the path, the name or the file") from None
     if not callable(factory):
-        raise UsageError(f"cannot load {name} from {where}: {type(factory).__name__} is not callable")
+        raise UsageError(f"autoshard explain: cannot load {name} from {where}: {type(factory).__name__} is not callable; "
+                         "name a function that returns the model")
     return factory
 
 
@@ -173,7 +180,7 @@ def _shape(text: str) -> tuple[int, ...]:
     except ValueError:
         raise argparse.ArgumentTypeError(f"a shape is sizes joined by 'x', like 1x64; got {text!r}") from None
     if any(d < 0 for d in shape):
-        raise argparse.ArgumentTypeError(f"negative size in {text!r}")
+        raise argparse.ArgumentTypeError(f"negative size in {text!r}; sizes are >= 0, like 1x64")
     return shape
 
 
@@ -213,11 +220,13 @@ def _input_maker(args: argparse.Namespace) -> Callable[[nn.Module], list[torch.T
         if args.input_shape:
             dtype = getattr(torch, args.input_dtype, None)
             if not isinstance(dtype, torch.dtype):
-                raise UsageError(f"--input-dtype: unknown dtype {args.input_dtype!r}")
+                raise UsageError(f"autoshard explain: --input-dtype: unknown dtype {args.input_dtype!r}; "
+                                 "give a torch dtype's name, e.g. float32, long or bfloat16")
             return [torch.zeros(shape, dtype=dtype) for shape in args.input_shape]
         cfg = getattr(model, "cfg", None)
         if not (hasattr(cfg, "block_size") and hasattr(cfg, "vocab_size")):
-            raise UsageError(f"{type(model).__name__} has no cfg.block_size and cfg.vocab_size: give its inputs with --input-shape")
+            raise UsageError(f"autoshard explain: {type(model).__name__} has no cfg.block_size and cfg.vocab_size; "
+                             "give its inputs with --input-shape")
         tokens = torch.zeros(args.batch, args.seq or cfg.block_size, dtype=torch.long)
         return [tokens, tokens]  # (idx, targets)
 
@@ -246,7 +255,8 @@ def run(args: argparse.Namespace) -> int:
         factory = load_factory(args.factory)
         reports = _explain(factory, _input_maker(args), args.world_size, args.profile, options)
     except (UsageError, ValueError) as e:
-        sys.exit(f"autoshard explain: {e}".replace("\n", " "))
+        message = str(e) if str(e).startswith("autoshard") else f"autoshard explain: {e}"  # ours name their API
+        sys.exit(message.replace("\n", " "))
     for i, report in enumerate(reports):
         print(report.summary())
         if args.passes:

@@ -123,10 +123,13 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float | None =
             failed.sort(key=lambda r: _written_at(tmp, r))
             why = {r: f"exit code {procs[r].exitcode}" for r in failed} | {r: "killed" for r in alive}
             raise RuntimeError(
-                f"rank {failed[0]} of {world_size} failed (exit code {procs[failed[0]].exitcode}); "
-                f"{len(alive)} other ranks were then killed:\n" + _report(tmp, failed + alive, why)
+                f"autoshard.tools.launch.run_ranks: rank {failed[0]} of {world_size} failed (exit code {procs[failed[0]].exitcode}); "
+                f"{len(alive)} other ranks were then killed; fix the error of rank {failed[0]}, shown first:\n"
+                + _report(tmp, failed + alive, why)
             )
         if alive:
             why = {r: "still running: its stacks" for r in alive}
-            raise TimeoutError(f"{len(alive)} of {world_size} ranks still running after {timeout}s (a hang?):\n" + _report(tmp, alive, why))
+            raise TimeoutError(f"autoshard.tools.launch.run_ranks: {len(alive)} of {world_size} ranks still running after {timeout}s "
+                               "(a hang?); their stacks below show where each waits (raise timeout if it is just slow):\n"
+                               + _report(tmp, alive, why))
         return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]

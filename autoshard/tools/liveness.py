@@ -49,8 +49,8 @@ def saved_sources(forward: fx.GraphModule, backward: fx.GraphModule | None) -> d
     outputs = forward.graph.output_node().args[0]
     if len(saved_inputs) > len(outputs):
         raise ValueError(
-            f"backward takes {len(saved_inputs)} saved values but forward returns only {len(outputs)} "
-            "outputs: not an AOT autograd forward/backward pair."
+            f"autoshard.tools.simulator.analyze: backward takes {len(saved_inputs)} saved values but forward returns only "
+            f"{len(outputs)} outputs: not an AOT autograd forward/backward pair; pass the forward and backward of one compiled graph."
         )
     saved = outputs[len(outputs) - len(saved_inputs) :]
     return {bw: fw for bw, fw in zip(saved_inputs, saved) if isinstance(fw, fx.Node)}

@@ -62,7 +62,8 @@ class Report:
         self, stages: Mapping[str, fx.GraphModule], profile: str | DeviceProfile, *, title: str = "", rank: int | None = None
     ) -> None:
         if "forward" not in stages:
-            raise ValueError(f"a report needs at least the 'forward' stage; got {sorted(stages)}.")
+            raise ValueError(f"autoshard.Report: a report needs at least the 'forward' stage, got {sorted(stages)}; "
+                             "pass every stage of one compiled graph, 'forward' among them.")
         self.stages = {s: stages[s] for s in STAGES if s in stages}
         self.profile = get_profile(profile)
         self.title = title

@@ -1,0 +1,162 @@
+"""One convention for every error a user can meet: ``"<where>: <what is wrong>; <how to fix it>."``
+
+``<where>`` names what the user called (``autoshard.shard``, ``autoshard option 'bucket_mb'``,
+``autoshard explain``, ...). This test reads the source, not the behaviour: it walks every
+``raise X("...")`` / ``raise X(f"...")`` in ``autoshard/`` and ``passes/`` and checks the static start of
+the message against :data:`WHERE`. Raises that are not user-facing errors of their own are
+listed in :data:`INTERNAL`, each with the reason.
+"""
+from __future__ import annotations
+
+import ast
+import itertools
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# What a message may start with: the API, option or command the user called.
+WHERE = (
+    "autoshard.shard: ",
+    "autoshard.save: ",
+    "autoshard.load: ",
+    "autoshard.full_state_dict: ",
+    "autoshard.explain: ",  # also autoshard.explain_graphs, which shares its checks
+    "autoshard.materialize: ",
+    "autoshard.MixedPrecision: ",
+    "autoshard.Report: ",
+    "autoshard.tools.launch.run_ranks: ",
+    "autoshard.tools.simulator.analyze: ",
+    "set_requires_gradient_sync: ",
+    "autoshard option '",  # a backend option: "autoshard option 'bucket_mb' must be ..."
+    "autoshard backend: ",  # compiling failed, not because of one option (ranks' plans differ, unknown options)
+    "autoshard calibrate: ",  # the command lines
+    "autoshard explain: ",
+)
+
+# (file, enclosing function, exception) -> why its message need not start with a WHERE.
+INTERNAL = {
+    ("autoshard/_compat.py", "schedule_overlap_bucketing", "ValueError"):
+        "internal: only passes/inductor_schedule.py calls it, with compute_estimator='analytical' and pre-bucketing off",
+    ("autoshard/compiler/cost_model.py", "collective_time", "ValueError"):
+        "internal: the kinds come from graph_utils.collective_kind and calibrate, never from a user",
+    ("autoshard/compiler/pipeline.py", "check_order", "ValueError"):
+        "internal: checked at import; a developer's misordered pass list (tests/test_pipeline.py), not a user's call",
+    ("autoshard/compiler/cost_model.py", "get_profile", "ValueError"):
+        "a suffix: the user names a profile through the option, and options.py raises \"autoshard option 'profile': <this>\"",
+    ("autoshard/runtime/checkpoint.py", "find_class", "pickle.UnpicklingError"):
+        "wrapped by _read_checked: \"autoshard.load: checkpoint P: cannot read .metadata: <this>; ...\"",
+    ("autoshard/tools/explain.py", "load_factory", "FileNotFoundError"):
+        "wrapped at once: \"autoshard explain: cannot load F from P: FileNotFoundError: <this>\"",
+    ("autoshard/tools/explain.py", "_shape", "argparse.ArgumentTypeError"):
+        "argparse frames it: \"autoshard explain: error: argument --input-shape: <this>\"",
+}
+
+# Messages that start with an argument naming the API: (file, argument) -> the functions that
+# take it as their first argument; every call of those must pass a literal WHERE.
+DYNAMIC = {("autoshard/runtime/fail_together.py", "what"): ("fail_together", "check_same_on_all_ranks")}
+
+
+def _sources() -> list[Path]:
+    return sorted([*(ROOT / "autoshard").rglob("*.py"), *(ROOT / "passes").rglob("*.py")])
+
+
+class _Raises(ast.NodeVisitor):
+    """Every ``raise X(...)`` with its enclosing function's name."""
+
+    def __init__(self) -> None:
+        self.function = ["<module>"]
+        self.found: list[tuple[str, ast.Raise]] = []
+
+    def visit_FunctionDef(self, node: ast.FunctionDef | ast.AsyncFunctionDef) -> None:
+        self.function.append(node.name)
+        self.generic_visit(node)
+        self.function.pop()
+
+    visit_AsyncFunctionDef = visit_FunctionDef
+
+    def visit_Raise(self, node: ast.Raise) -> None:
+        if isinstance(node.exc, ast.Call):  # not a re-raise (`raise`, `raise error`)
+            self.found.append((self.function[-1], node))
+        self.generic_visit(node)
+
+
+def _parts(message: ast.expr) -> list[ast.expr] | None:
+    """The message as a sequence of constant and formatted parts, from its start; None when
+    its start is not a string literal."""
+    if isinstance(message, ast.BinOp) and isinstance(message.op, ast.Add):
+        return _parts(message.left)
+    if isinstance(message, ast.Constant) and isinstance(message.value, str):
+        return [message]
+    if isinstance(message, ast.JoinedStr):
+        return list(message.values)
+    return None
+
+
+def _problem(path: str, function: str, raise_: ast.Raise) -> str | None:
+    call = raise_.exc
+    if not call.args:
+        return "no message"
+    parts = _parts(call.args[0])
+    if parts is None:
+        return f"a message that starts with no string: {ast.unparse(call.args[0])[:60]}"
+    if parts and isinstance(parts[0], ast.FormattedValue):
+        name = ast.unparse(parts[0].value)
+        after = parts[1].value if len(parts) > 1 and isinstance(parts[1], ast.Constant) else ""
+        if (path, name) in DYNAMIC and after.startswith(": "):
+            return None
+        return f"starts with {{{name}}}"
+    start = "".join(p.value for p in itertools.takewhile(lambda p: isinstance(p, ast.Constant), parts))
+    if start.startswith(WHERE):
+        return None
+    return f"starts with {start[:60]!r}"
+
+
+def _all_raises() -> list[tuple[str, str, str, ast.Raise]]:
+    found = []
+    for file in _sources():
+        visitor = _Raises()
+        visitor.visit(ast.parse(file.read_text(), str(file)))
+        path = file.relative_to(ROOT).as_posix()
+        found += [(path, function, ast.unparse(r.exc.func), r) for function, r in visitor.found]
+    return found
+
+
+def test_every_error_message_starts_with_where_it_was_raised():
+    raises = _all_raises()
+    assert len(raises) > 50  # the walk found the sources
+    bad = []
+    for path, function, exception, raise_ in raises:
+        if (path, function, exception) in INTERNAL:
+            continue
+        problem = _problem(path, function, raise_)
+        if problem is not None:
+            bad.append(f"{path}:{raise_.lineno} ({function}) {exception}: {problem}")
+    assert not bad, (
+        "error messages must read '<where>: <what is wrong>; <how to fix it>.', <where> one of tests/test_errors.py's "
+        "WHERE (or list the raise in INTERNAL, with the reason):\n" + "\n".join(bad)
+    )
+
+
+def test_every_internal_exemption_still_exists():
+    present = {(path, function, exception) for path, function, exception, _ in _all_raises()}
+    assert not set(INTERNAL) - present, f"stale INTERNAL entries: {sorted(set(INTERNAL) - present)}"
+    assert {path for path, _ in DYNAMIC} <= {path for path, _, _ in present}
+
+
+def test_apis_that_name_themselves_in_messages_are_given_a_where():
+    """``fail_together(what)`` and ``check_same_on_all_ranks(what, ...)`` start their messages
+    with ``what``: every call passes a literal that is a WHERE."""
+    takers = {name for names in DYNAMIC.values() for name in names}
+    calls = []
+    for file in _sources():
+        for node in ast.walk(ast.parse(file.read_text(), str(file))):
+            if isinstance(node, ast.Call):
+                func = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+                if func in takers:
+                    calls.append((file.relative_to(ROOT).as_posix(), node))
+    assert len(calls) >= 3  # autoshard.save, autoshard.load, autoshard.shard
+    for path, call in calls:
+        what = call.args[0] if call.args else None
+        if path == "autoshard/runtime/fail_together.py" and isinstance(what, ast.Name) and what.id == "what":
+            continue  # passing its own argument on
+        assert isinstance(what, ast.Constant) and f"{what.value}: ".startswith(WHERE), f"{path}:{call.lineno}: {ast.unparse(call)}"
