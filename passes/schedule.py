@@ -217,7 +217,7 @@ def _fit(g: _Graph, plan: SchedulePlan, budget: int, evaluate: Callable[[Schedul
         if plan.reduces_in_flight > 1:
             steps.append(replace(plan, reduces_in_flight=plan.reduces_in_flight - 1))
         if not steps:  # gathering at use fits (checked first), so the peak is not prefetching's
-            raise AssertionError("autoshard: no schedule step lowers the peak")
+            raise AssertionError("no schedule step lowers the peak")
         tried = [evaluate(s) for s in steps]
         # The step that lowers the peak most; among equals, the one predicted fastest.
         plan = min(tried, key=lambda p: (p.peak_bytes, p.step_time))

@@ -64,17 +64,13 @@ def test_forward_gathers_are_issued_before_the_previous_blocks_compute():
         assert order[gathers[k]] < _first_use(gathers[k - 1], order), f"block {k}"
 
 
-@pytest.mark.parametrize("budget", [None, 1e3])
-def test_backward_prefetches_and_reduces_early(budget):
-    _, bw = _compile(**({} if budget is None else {"memory_budget_gb": budget}))
+def test_backward_prefetches_and_reduces_early():
+    _, bw = _compile()
     order = {n: i for i, n in enumerate(bw.graph.nodes)}
     gathers = _by_block(bw, c10d.all_gather_into_tensor.default)
     reduces = _by_block(bw, c10d.reduce_scatter_tensor.default)
-    if budget is None:  # FSDP2's memory: every block is gathered again
-        assert set(range(LAYERS)) <= set(gathers)
-    else:  # under a budget the last block stays gathered from forward into backward: no re-gather for it
-        assert LAYERS - 1 not in gathers and set(range(LAYERS - 1)) <= set(gathers)
-    for k in range(1, LAYERS - 1):  # re-gathers prefetched in reverse order
+    assert set(range(LAYERS)) <= set(gathers)  # every block is gathered again (nothing kept from forward)
+    for k in range(1, LAYERS):  # re-gathers prefetched in reverse order
         assert order[gathers[k - 1]] < _first_use(gathers[k], order), f"block {k}"
     for k in range(1, LAYERS):  # a block's gradients are reduced before the block below computes
         assert order[reduces[k]] < _first_use(gathers[k - 1], order), f"block {k}"
