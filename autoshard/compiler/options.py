@@ -25,8 +25,8 @@ class Options:
         one, one reduce-scatter in flight) or "inductor" (PyTorch's own bucketing and overlap
         scheduler).
     bucket_mb: cap on a bucket's size (MiB); default: one bucket per repeated block.
-    max_inflight_mb: cap on gathered parameters alive at once (MiB); default: what the cost
-        model asks for overlap, at most two buckets ahead.
+    max_inflight_mb: cap on gathered parameters alive at once (MiB), applied before the
+        memory budget; default: none.
     memory_budget_gb: per-rank memory (GiB) the schedule must stay within: parameter shards,
         gradients, optimizer state (``optimizer_states`` per parameter), gathered parameters,
         communication buffers and activations, as the step model predicts them. The schedule
