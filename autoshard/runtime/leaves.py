@@ -54,8 +54,8 @@ class _GradLink:
         # Accumulated in place into the adopted .grad: nothing to do. A new tensor (the first
         # gradient, or accumulated out of place): the parameter's .grad wraps it.
         param = self.param
-        if leaf.grad is self.local and self.grad is not None:
-            return
+        if leaf.grad is None or (leaf.grad is self.local and self.grad is not None):
+            return  # no gradient arrived (it went to a sink), or it was added in place
         self.local = leaf.grad
         self.grad = param.grad = DTensor.from_local(
             leaf.grad, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
