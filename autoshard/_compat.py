@@ -55,6 +55,7 @@ __all__ = [
     "all_gather_single",
     "c10d",
     "dynamo_counters",
+    "FakeTensor",
     "compile_fx",
     "compile_fx_inner",
     "functorch_config",
