@@ -21,6 +21,7 @@ import torch._inductor.config as inductor_config
 import torch._inductor.fx_passes.overlap_preserving_bucketer as overlap_bucketer
 import torch._inductor.fx_passes.overlap_scheduling as overlap_scheduling
 import torch.utils._runtime_estimation as runtime_estimation
+from torch._dynamo import lookup_backend
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.utils import counters as dynamo_counters
 from torch._functorch.aot_autograd import make_boxed_func
@@ -50,13 +51,16 @@ __all__ = [
     "resolve_process_group",
     "run_and_get_code",
     "aot_autograd",
+    "COMPILE_PHASE_FUNCTIONS",
     "all_gather_single",
     "c10d",
     "dynamo_counters",
+    "FakeTensor",
     "compile_fx",
     "compile_fx_inner",
     "functorch_config",
     "inductor_config",
+    "lookup_backend",
     "make_boxed_func",
     "min_cut_rematerialization_partition",
     "must_recompute",
@@ -68,6 +72,7 @@ __all__ = [
     "tree_leaves",
     "tree_map",
     "tree_map_only",
+    "wrap_compile_phases",
 ]
 
 # The traceable functional collectives (explicit wait_tensor) that Inductor lowers.
@@ -348,6 +353,29 @@ def patch_overlap_scheduler(dram_gbps: float, tflops: float) -> Iterator[None]:
             stack.enter_context(mock.patch.object(bucketer, "_apply_deps_and_effect_tokens", apply))
         if _UNTYPED_BUCKET_KEY is not None:
             stack.enter_context(mock.patch.object(overlap_bucketer, "bucket_key", _typed_bucket_key))
+        yield
+
+
+# Where a compile spends its time (bench/compile_time.py): PyTorch function -> phase. The
+# partitioner is imported by name into several modules; each copy is wrapped.
+COMPILE_PHASE_FUNCTIONS = {
+    "min_cut_rematerialization_partition": ("torch._functorch.partitioners", "partition"),
+    "_recursive_joint_graph_passes": ("torch._inductor.compile_fx", "inner"),  # Inductor's own joint passes
+    "_compile_fx_inner": ("torch._inductor.compile_fx", "inner"),
+}
+
+
+@contextlib.contextmanager
+def wrap_compile_phases(wrap: Callable[[Callable, str], Callable]) -> Iterator[None]:
+    """Replace each :data:`COMPILE_PHASE_FUNCTIONS` entry, in every loaded module holding it,
+    by ``wrap(function, phase)`` for the duration of the block."""
+    with contextlib.ExitStack() as stack:
+        for name, (home, phase) in COMPILE_PHASE_FUNCTIONS.items():
+            original = getattr(sys.modules[home], name)
+            wrapped = wrap(original, phase)
+            for module in list(sys.modules.values()):
+                if getattr(module, name, None) is original:
+                    stack.enter_context(mock.patch.object(module, name, wrapped))
         yield
 
 

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import fx
 
-from autoshard._compat import c10d, optimization_hint, resolve_process_group, tree_leaves, tree_map
+from autoshard._compat import c10d, optimization_hint, resolve_process_group
 from autoshard.runtime.ops import arguments
 
 # node.meta keys the passes share.
@@ -31,8 +31,9 @@ def call(graph: fx.Graph, target: Any, *args: Any) -> fx.Node:
     """Insert ``target(*args)`` at the graph's insertion point, with its fake value in
     ``meta["val"]`` so the partitioner and Inductor see shapes as for a traced node."""
     node = graph.call_function(target, args)
-    fake_args = tree_map(val, args)
-    fake = next(a for a in tree_leaves(fake_args) if isinstance(a, torch.Tensor)).fake_mode
+    # map_arg, not a pytree map: it visits only the nodes (the passes insert thousands of these).
+    fake_args = fx.node.map_arg(args, val)
+    fake = next(v for v in map(val, node.all_input_nodes) if isinstance(v, torch.Tensor)).fake_mode
     with fake:
         node.meta["val"] = target(*fake_args)
     return node
@@ -141,8 +142,27 @@ def exclusive_inputs(node: fx.Node) -> list[fx.Node]:
                 if a not in chain and is_copy(a) and all(u is node or u in chain for u in a.users):
                     chain.add(a)
                     changed = True
-    order = positions(node.graph.nodes)
-    return sorted(chain, key=order.__getitem__)
+    return near(node, chain)
+
+
+def near(anchor: fx.Node, members: Iterable[fx.Node]) -> list[fx.Node]:
+    """``members`` (nodes of ``anchor``'s graph) in graph order.
+
+    Walks from ``anchor`` backwards, then forwards, only until every member is found: copy-ins
+    sit close to their collective, where numbering the whole graph would cost a scan of it per
+    collective (quadratic in the graph's size)."""
+    remaining = set(members)
+    earlier: list[fx.Node] = []
+    later: list[fx.Node] = []
+    for found, step in ((earlier, "prev"), (later, "next")):
+        node = getattr(anchor, step)
+        while remaining and node.op != "root":  # the graph's sentinel, before its first node
+            if node in remaining:
+                remaining.discard(node)
+                found.append(node)
+            node = getattr(node, step)
+    assert not remaining, "not every member is in the anchor's graph"
+    return earlier[::-1] + later
 
 
 def issue_inputs(node: fx.Node) -> list[fx.Node]:
@@ -157,8 +177,7 @@ def issue_inputs(node: fx.Node) -> list[fx.Node]:
                 a = a.args[0]
             if a.op == "placeholder":
                 group.update(chain)
-    order = positions(node.graph.nodes)
-    return sorted(group, key=order.__getitem__)
+    return near(node, group)
 
 
 def ordered(graph: fx.Graph, priority: dict[fx.Node, float]) -> list[fx.Node]:

@@ -106,6 +106,9 @@ def lower_annotations(gm: fx.GraphModule, reshard_after_forward: bool | None = N
     shards, never full parameters. Numerics are unchanged; the pass is idempotent.
     """
     graph = gm.graph
+    if not any(graph.find_nodes(op="call_function", target=getattr(annotations, name).default)
+               for name in ("unshard", "reduce_grad", "all_reduce_grad", "replicate")):
+        return gm  # already lowered (the partitioned graphs of a joint graph): no lint, no recompile
     for i, node in enumerate(list(graph.nodes)):
         if node.op != "call_function":
             continue

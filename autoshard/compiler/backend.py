@@ -45,7 +45,8 @@ def _warn_if_unsharded(example_inputs: Sequence[Any]) -> None:
     global _warned_unsharded
     if _warned_unsharded or not dist.is_initialized() or dist.get_world_size() == 1:
         return
-    if any(isinstance(x, torch.nn.Parameter) and x.requires_grad and not isinstance(x, DTensor) for x in example_inputs):
+    if any(isinstance(x, torch.nn.Parameter) and x.requires_grad and not isinstance(x, DTensor)
+           and not getattr(x, "_autoshard_leaf", False) for x in example_inputs):  # leaves: views of shards
         _warned_unsharded = True
         warnings.warn(
             "autoshard: the compiled model has trainable parameters that are not sharded, so every "

@@ -29,7 +29,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
-from autoshard.runtime import grad_sync, ops
+from autoshard.runtime import grad_sync, leaves, ops
 from autoshard.runtime.fail_together import check_same_on_all_ranks
 from autoshard.runtime.mixed_precision import MixedPrecision, cast_inputs_hook, dtypes_for
 
@@ -85,7 +85,10 @@ def _annotate(module: nn.Module, name: str) -> torch.Tensor:
     if _as_shards:
         return param
     spec = module._autoshard_specs[name]
-    local = param.to_local()
+    # The shard as a plain tensor (see autoshard.runtime.leaves): tracing sees no DTensor. While
+    # compiling, the leaves built at shard time (and kept current by _apply); eagerly, checked.
+    found = getattr(module, leaves.LEAVES)[name] if torch.compiler.is_compiling() else leaves.leaves_of(module, name)
+    local = found.trainable if param.requires_grad else found.frozen
     # A Python constant that Dynamo guards on: one compiled variant per setting.
     synced = getattr(module, grad_sync.SYNC) or not param.requires_grad
     sink = None if synced else getattr(module, grad_sync.SINKS)[name]
@@ -103,12 +106,20 @@ _SPEC = "_autoshard_spec"
 _SHARDED_AS = "_autoshard_sharded_as"  # on a replaced plain parameter: its shard
 
 
+def _apply_keeping_leaves(self: nn.Module, fn, recurse: bool = True) -> nn.Module:
+    # .to(), to_empty() and friends may give shards new storage: the forward's leaves follow.
+    result = _base_of[type(self)]._apply(self, fn, recurse)
+    leaves.refresh(self)
+    return result
+
+
 def _sharded_class(cls: type, names: tuple[str, ...]) -> type:
     """A subclass of ``cls`` whose ``names`` are properties returning full parameters."""
     cls = _base_of.get(cls, cls)
     key = (cls, names)
     if key not in _subclasses:
-        props = {n: property(lambda self, n=n: _annotate(self, n)) for n in names}
+        props: dict = {n: property(lambda self, n=n: _annotate(self, n)) for n in names}
+        props["_apply"] = _apply_keeping_leaves
         sub = type(f"Sharded{cls.__name__}", (cls, ShardedModule), props)
         _subclasses[key], _base_of[sub] = sub, cls
     return _subclasses[key]
@@ -356,6 +367,8 @@ def _install(module: nn.Module, owners: Owners, sharded: dict[int, nn.Parameter]
             setattr(new, _SPEC, spec)
             mod._parameters[name] = new
         mod._autoshard_specs = {**getattr(mod, "_autoshard_specs", {}), **specs}
+        for name in specs:
+            leaves.leaves_of(mod, name)
         _reclass(mod)
         setattr(mod, grad_sync.SYNC, getattr(mod, grad_sync.SYNC, True))
     _reclass(module)

@@ -1,0 +1,231 @@
+"""Compile time of autoshard next to plain ``torch.compile``, by phase, at several depths.
+
+The repository's GPT (examples/gpt.py, width 64, 4 heads, sequence 64, batch 2) is compiled
+for one training step (forward + backward) twice per depth and inner compiler: "plain" (the
+unsharded model under ``torch.compile(backend=compiler)``) and "autoshard" (``autoshard.shard``
+at world size 8 on the fake process group, ``backend="autoshard"`` with the same inner
+compiler). Each compile runs in a fresh process with its own empty Inductor cache, FX-graph and
+AOT-autograd caches off, after a warm-up compile of a small plain model (so neither side pays
+for loading torch.compile's modules)::
+
+    python bench/compile_time.py                      # 4, 16, 48 layers; aot_eager and inductor
+    python bench/compile_time.py --layers 16 --compilers aot_eager --repeat 3 --json ct.json
+
+Phases (seconds, each exclusive of the others):
+
+    dynamo      Dynamo tracing the forward (the first call, less the forward's run time)
+    capture     AOT autograd: tracing the joint forward+backward graph, and the rest of the
+                backend that is none of the phases below
+    autoshard   autoshard's passes and stage bookkeeping (pipeline.run)
+    partition   the min-cut partitioner
+    inner       the inner compiler (Inductor's joint passes and compile_fx_inner; ~0 for aot_eager)
+    total       the first step, less a steady step: the compile time a user waits for
+
+``vs_plain`` is autoshard's total over plain's from the same run; with ``--repeat N`` each
+system's fastest of N compiles (alternating which runs first) is kept.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import functools
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+
+PHASES = ("dynamo", "capture", "autoshard", "partition", "inner")
+SYSTEMS = ("plain", "autoshard")
+COMPILERS = ("aot_eager", "inductor")
+WIDTH = dict(n_embd=64, n_head=4, block_size=64, vocab_size=96)
+BATCH = 2
+
+
+class PhaseClock:
+    """Exclusive seconds per phase: time spent in a phase nested in another counts only for
+    the inner one."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self._stack: list[list[float]] = []  # per open phase: [start, seconds in nested phases]
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        frame = [time.perf_counter(), 0.0]
+        self._stack.append(frame)
+        try:
+            yield
+        finally:
+            self._stack.pop()
+            total = time.perf_counter() - frame[0]
+            self.seconds[name] += total - frame[1]
+            if self._stack:
+                self._stack[-1][1] += total
+
+    def wrap(self, fn: Callable, name: str) -> Callable:
+        @functools.wraps(fn)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            with self.phase(name):
+                return fn(*args, **kwargs)
+
+        return timed
+
+
+@contextlib.contextmanager
+def _timed_pipeline(clock: PhaseClock) -> Iterator[dict[str, float]]:
+    """Time autoshard's pipeline (phase "autoshard") and, by pass name, each pass in it."""
+    from autoshard.compiler import pipeline
+
+    per_pass: dict[str, float] = defaultdict(float)
+
+    def timed_pass(step: Any) -> Any:
+        def run(gm: Any, ctx: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return step.run(gm, ctx)
+            finally:
+                per_pass[step.name] += time.perf_counter() - start
+
+        return dataclasses.replace(step, run=run) if isinstance(step, pipeline.Pass) else step
+
+    saved = {k: getattr(pipeline, k) for k in ("CAPTURED", "JOINT", "PARTITIONED", "run")}
+    try:
+        for k in ("CAPTURED", "JOINT", "PARTITIONED"):
+            setattr(pipeline, k, tuple(map(timed_pass, saved[k])))
+        pipeline.run = clock.wrap(saved["run"], "autoshard")
+        yield per_pass
+    finally:
+        for k, v in saved.items():
+            setattr(pipeline, k, v)
+
+
+def _model(layers: int, **width: int) -> Any:
+    import torch
+
+    from gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    return GPT(GPTConfig(n_layer=layers, **width))
+
+
+def _step(compiled: Callable, idx: Any) -> tuple[float, float]:
+    start = time.perf_counter()
+    loss = compiled(idx, idx)
+    mid = time.perf_counter()
+    loss.backward()
+    return mid - start, time.perf_counter() - mid
+
+
+def measure(system: str, compiler: str, layers: int, world_size: int = 8) -> dict[str, Any]:
+    """Compile one training step of the GPT at ``layers`` with ``system`` and ``compiler``,
+    in this process; seconds per phase (see the module docstring)."""
+    import torch
+    import torch.distributed as dist
+
+    import autoshard
+    from autoshard._compat import fake_process_group, lookup_backend, wrap_compile_phases
+    from autoshard.compiler.backend import autoshard_backend
+
+    # Warm-up: load what any first torch.compile loads, on a shape that shares no kernels.
+    warm = _model(1, n_embd=32, n_head=2, block_size=16, vocab_size=50)
+    _step(torch.compile(warm, backend=compiler), torch.zeros(1, 16, dtype=torch.long))
+    torch._dynamo.reset()
+
+    fake_process_group(0, world_size)
+    try:
+        model = _model(layers, **WIDTH)
+        if system == "autoshard":
+            autoshard.shard(model)
+            backend = functools.partial(autoshard_backend, options={"compiler": compiler})
+        else:
+            backend = lookup_backend(compiler)
+        clock = PhaseClock()
+        compiled = torch.compile(model, backend=clock.wrap(backend, "capture"))
+        idx = torch.randint(0, WIDTH["vocab_size"], (BATCH, WIDTH["block_size"]))
+        with wrap_compile_phases(clock.wrap), _timed_pipeline(clock) as per_pass:
+            with clock.phase("forward call"):
+                loss = compiled(idx, idx)
+            with clock.phase("backward call"):
+                loss.backward()
+        steady = [_step(compiled, idx) for _ in range(3)]
+        fwd, bwd = min(s[0] for s in steady), min(s[1] for s in steady)
+    finally:
+        dist.destroy_process_group()
+    s = clock.seconds
+    phases = {
+        "dynamo": s["forward call"] - fwd,
+        # The backward call beyond its run time is AOT autograd's lazy backward compile.
+        "capture": s["capture"] + max(0.0, s["backward call"] - bwd),
+        "autoshard": s["autoshard"],
+        "partition": s["partition"],
+        "inner": s["inner"],
+    }
+    return {"system": system, "compiler": compiler, "layers": layers, **phases, "total": sum(phases.values()),
+            "passes": dict(per_pass), "steady_fwd_s": fwd, "steady_bwd_s": bwd}
+
+
+def _measure_in_child(system: str, compiler: str, layers: int, world_size: int) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as cache:
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "TORCHINDUCTOR_FX_GRAPH_CACHE": "0",
+               "TORCHINDUCTOR_AUTOGRAD_CACHE": "0", "PYTHONWARNINGS": "ignore"}
+        cmd = [sys.executable, __file__, "--child", system, compiler, str(layers), str(world_size)]
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{system} {compiler} {layers} layers failed:\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def run(layers: list[int], compilers: list[str], repeat: int, world_size: int) -> list[dict[str, Any]]:
+    rows = []
+    for compiler in compilers:
+        for n in layers:
+            best: dict[str, dict] = {}
+            for r in range(repeat):
+                for system in SYSTEMS if r % 2 == 0 else SYSTEMS[::-1]:
+                    print(f"{compiler} {n} layers {system} ...", end=" ", file=sys.stderr, flush=True)
+                    row = _measure_in_child(system, compiler, n, world_size)
+                    print(f"{row['total']:.1f} s", file=sys.stderr, flush=True)
+                    if system not in best or row["total"] < best[system]["total"]:
+                        best[system] = row
+            best["autoshard"]["vs_plain"] = best["autoshard"]["total"] / best["plain"]["total"]
+            best["plain"]["vs_plain"] = 1.0
+            rows += [best["plain"], best["autoshard"]]
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", nargs="+", type=int, default=[4, 16, 48])
+    parser.add_argument("--compilers", nargs="+", choices=COMPILERS, default=list(COMPILERS))
+    parser.add_argument("--repeat", type=int, default=1, help="compiles per system and size; the fastest is kept")
+    parser.add_argument("--world-size", type=int, default=8)
+    parser.add_argument("--json", help="also write the rows to this file")
+    parser.add_argument("--child", nargs=4, metavar=("SYSTEM", "COMPILER", "LAYERS", "WORLD"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        system, compiler, layers, world = args.child
+        print(json.dumps(measure(system, compiler, int(layers), int(world))))
+        return
+
+    from tabulate import tabulate
+
+    rows = run(args.layers, args.compilers, args.repeat, args.world_size)
+    print(f"GPT width {WIDTH['n_embd']}, seq {WIDTH['block_size']}, batch {BATCH}; autoshard at world size "
+          f"{args.world_size} (fake process group); seconds per phase of the first training step's compile")
+    cols = ["compiler", "layers", "system", *PHASES, "total", "vs_plain"]
+    print(tabulate([[r[c] for c in cols] for r in rows], headers=cols, floatfmt=".2f"))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"config": vars(args), "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

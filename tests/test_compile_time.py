@@ -1,0 +1,61 @@
+"""What bench/compile_time.py relies on: exclusive phase timing, the compile functions it wraps,
+and one small measurement; plus graph_utils.near, which replaced a whole-graph numbering per
+collective."""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import fx
+
+from autoshard._compat import COMPILE_PHASE_FUNCTIONS, wrap_compile_phases
+from autoshard.passes.graph_utils import near
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import compile_time  # noqa: E402
+
+
+def test_near_returns_members_in_graph_order_on_both_sides_of_the_anchor():
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    nodes = [x]
+    for _ in range(6):
+        nodes.append(graph.call_function(torch.neg, (nodes[-1],)))
+    graph.output(nodes[-1])
+    anchor = nodes[3]
+    assert near(anchor, [nodes[5], x, nodes[2], nodes[6]]) == [x, nodes[2], nodes[5], nodes[6]]
+    assert near(anchor, []) == []
+
+
+def test_a_phase_nested_in_another_counts_only_for_the_inner_one():
+    clock = compile_time.PhaseClock()
+    with clock.phase("outer"):
+        time.sleep(0.01)
+        with clock.phase("inner"):
+            time.sleep(0.2)
+    assert clock.seconds["inner"] >= 0.2
+    assert 0.01 <= clock.seconds["outer"] < 0.2  # the inner phase's 0.2 s are not in it
+
+
+def test_compile_phase_functions_are_wrapped_everywhere_and_restored():
+    import torch._dynamo.backends.debugging as debugging  # imports the partitioner by name
+    import torch._functorch.partitioners as partitioners
+
+    original = partitioners.min_cut_rematerialization_partition
+    seen = []
+    with wrap_compile_phases(lambda fn, phase: seen.append(phase) or (lambda *a, **k: fn(*a, **k))):
+        assert partitioners.min_cut_rematerialization_partition is not original
+        assert debugging.min_cut_rematerialization_partition is partitioners.min_cut_rematerialization_partition
+    assert partitioners.min_cut_rematerialization_partition is original
+    assert sorted(set(seen)) == sorted({phase for _, phase in COMPILE_PHASE_FUNCTIONS.values()})
+
+
+def test_one_measurement_accounts_for_every_phase():
+    torch._dynamo.reset()
+    row = compile_time.measure("autoshard", "aot_eager", 1, world_size=4)
+    assert all(row[p] >= 0 for p in compile_time.PHASES)
+    assert abs(row["total"] - sum(row[p] for p in compile_time.PHASES)) < 1e-9
+    assert row["autoshard"] > 0 and row["partition"] > 0 and row["dynamo"] > 0
+    assert {"lower_annotations", "bucket_collectives", "schedule_overlap"} <= set(row["passes"])

@@ -1,0 +1,82 @@
+"""The plain-tensor leaves the forward reads instead of DTensor parameters: one storage with the
+shard, gradients that are the DTensor parameter's ``.grad``, rebuilt when shards move."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+import autoshard
+from autoshard.runtime.leaves import LEAVES
+
+from fake_pg import compile_step, fake_world
+from models import build
+
+
+@pytest.fixture
+def linear():
+    with fake_world(2):
+        torch.manual_seed(0)
+        yield autoshard.shard(nn.Linear(2, 4))
+
+
+def _leaves(module: nn.Module, name: str = "weight"):
+    return getattr(module, LEAVES)[name]
+
+
+def _backward(leaf: torch.Tensor, scale: float) -> None:
+    (leaf * scale).sum().backward()
+
+
+def test_a_leaf_views_the_shard(linear):
+    found = _leaves(linear)
+    local = linear._parameters["weight"].to_local()
+    assert not isinstance(found.trainable, DTensor) and found.trainable.requires_grad and not found.frozen.requires_grad
+    assert found.trainable.data_ptr() == local.data_ptr() == found.frozen.data_ptr()  # no copy
+    with torch.no_grad():
+        linear._parameters["weight"].mul_(0)  # as an optimizer step writes the shard
+    assert found.trainable.abs().sum() == 0
+
+
+def test_the_leaf_gradient_is_the_parameter_gradient(linear):
+    param, leaf = linear._parameters["weight"], _leaves(linear).trainable
+    _backward(leaf, 2.0)
+    assert isinstance(param.grad, DTensor) and param.grad.placements == param.placements
+    assert torch.equal(param.grad.to_local(), torch.full_like(leaf, 2.0))
+    grad = param.grad
+    _backward(leaf, 3.0)  # accumulates in place, into the same tensor
+    assert param.grad is grad and torch.equal(grad.to_local(), torch.full_like(leaf, 5.0))
+
+
+def test_zero_grad_and_an_assigned_gradient_are_respected(linear):
+    param, leaf = linear._parameters["weight"], _leaves(linear).trainable
+    _backward(leaf, 2.0)
+    param.grad = None  # zero_grad(set_to_none=True)
+    _backward(leaf, 3.0)
+    assert torch.equal(param.grad.to_local(), torch.full_like(leaf, 3.0))
+    assigned = DTensor.from_local(torch.full_like(leaf, 10.0), param.device_mesh, param.placements, run_check=False,
+                                  shape=param.shape, stride=param.stride())
+    param.grad = assigned
+    _backward(leaf, 1.0)
+    assert param.grad is assigned and torch.equal(assigned.to_local(), torch.full_like(leaf, 11.0))
+
+
+def test_moving_the_module_rebuilds_its_leaves(linear):
+    before = _leaves(linear)
+    linear.to(torch.float64)
+    after = _leaves(linear)
+    assert after.trainable is not before.trainable and after.trainable.dtype == torch.float64
+    assert after.trainable.data_ptr() == linear._parameters["weight"].to_local().data_ptr()
+
+
+def test_tied_parameters_share_their_leaves():
+    with fake_world(2):
+        model = autoshard.shard(build("gpt"))
+        assert _leaves(model.head) is _leaves(model.wte)
+
+
+def test_the_captured_graph_has_no_dtensor_input():
+    step = compile_step("gpt")
+    placeholders = [n for n in step.only("captured").graph.nodes if n.op == "placeholder"]
+    assert placeholders and not any(isinstance(n.meta.get("example_value"), DTensor) for n in placeholders)
