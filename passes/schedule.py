@@ -138,6 +138,7 @@ def schedule_overlap(
     workspace: Workspace = no_workspace,
     no_more_than: tuple[int, int] | None = None,
     shards_outside: bool = False,
+    late_release: bool = False,
 ) -> fx.GraphModule:
     """Reorder a bucketed forward or backward graph so communication hides behind compute.
 
@@ -152,7 +153,7 @@ def schedule_overlap(
     covers ``collective_time`` of its gather, and r = ``max_reduces_in_flight``. With
     ``max_inflight_bytes``, d shrinks until the gathered bytes alive at once fit (ValueError
     if d = 0 does not). With ``memory_budget_bytes``, the plan must keep the graph's live peak
-    (:func:`step_model.peak_bytes` with ``workspace``; with ``shards_outside``, the inputs
+    (:func:`step_model.peak_bytes` with ``workspace`` and ``late_release``; with ``shards_outside``, the inputs
     the gathers read count as held outside) plus ``outside_bytes`` within it:
     one step at a time, the distance of a bucket prefetched across the peak or r drops by
     one, the step that lowers the peak most first (then the fastest); ValueError naming the
@@ -175,7 +176,7 @@ def schedule_overlap(
     def evaluate(plan: SchedulePlan) -> SchedulePlan:
         priority = g.priorities(plan)
         order = ordered(g.graph, priority)
-        peak, at = peak_bytes(order, workspace, held_outside=shards)
+        peak, at = peak_bytes(order, workspace, held_outside=shards, late_release=late_release)
         return replace(plan, peak_bytes=peak + outside_bytes, step_time=step_time(order, compute_time, collective_time),
                        peak_at=priority[order[at]] if order else 0.0)
 

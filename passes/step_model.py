@@ -30,8 +30,29 @@ def _aliases(node: fx.Node) -> bool:
     )
 
 
+def release_points(order: Sequence[fx.Node], late: bool = False) -> dict[fx.Node, int]:
+    """Collective -> the position up to which its input and workspace stay allocated: its
+    wait, or with ``late`` the next collective issued after it (gloo drops a finished
+    operation's buffers on its own thread, which may be after the wait has returned; the
+    next issue is as long as this model lets them linger)."""
+    pos = {n: i for i, n in enumerate(order)}
+    issues = [i for i, n in enumerate(order) if collective_kind(n) is not None]
+    points = {}
+    for i in issues:
+        wait = next((u for u in order[i].users if is_wait(u) and u in pos), None)
+        at = pos[wait] if wait is not None else len(order)
+        if late and wait is not None:
+            at = next((j for j in issues if j > at), at)
+        points[order[i]] = at
+    return points
+
+
 def peak_bytes(
-    order: Sequence[fx.Node], workspace: Workspace = no_workspace, pin_inputs: bool = True, held_outside: Collection[fx.Node] = ()
+    order: Sequence[fx.Node],
+    workspace: Workspace = no_workspace,
+    pin_inputs: bool = True,
+    held_outside: Collection[fx.Node] = (),
+    late_release: bool = False,
 ) -> tuple[int, int]:
     """(peak live bytes, position of the peak) of the graph run in ``order``.
 
@@ -43,7 +64,8 @@ def peak_bytes(
     tensors a compiled backward takes (saved activations) only once it returns (measured:
     a gathered block saved for backward stays allocated through the whole backward);
     otherwise they are freed after their last use. ``held_outside``: placeholders the
-    caller counts itself (a backward's parameter shards), here 0 bytes.
+    caller counts itself (a backward's parameter shards), here 0 bytes. ``late_release``:
+    collectives' inputs and workspaces last until :func:`release_points` says.
     """
     pos = {n: i for i, n in enumerate(order)}
     end = len(order)
@@ -51,15 +73,16 @@ def peak_bytes(
     for n in order:
         base = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
         root[n] = root.get(base, base) if _aliases(n) and base is not None else n
+    release = release_points(order, late_release)
     last: dict[fx.Node, int] = {}
     for n in order:
         for a in n.all_input_nodes:
             r = root.get(a, a)
             last[r] = max(last.get(r, -1), pos[n])
-        if is_wait(n) and isinstance(n.args[0], fx.Node):
-            for a in n.args[0].all_input_nodes:  # the collective's input, read until the wait
+        if n in release:
+            for a in n.all_input_nodes:  # the collective's input, read until the wait (or later)
                 r = root.get(a, a)
-                last[r] = max(last.get(r, -1), pos[n])
+                last[r] = max(last.get(r, -1), release[n])
     output = order[0].graph.output_node() if order else None
     if output is not None:
         for a in output.all_input_nodes:
@@ -74,10 +97,9 @@ def peak_bytes(
         free = end if (n.op == "placeholder" and pin_inputs) else last.get(n, pos[n])
         delta[pos[n]] += size
         delta[min(free + 1, end)] -= size
-        if collective_kind(n) is not None and (extra := workspace(n)):
-            wait = next((u for u in n.users if is_wait(u)), None)
+        if n in release and (extra := workspace(n)):
             delta[pos[n]] += extra
-            delta[min(pos.get(wait, end) + 1, end)] -= extra
+            delta[min(release[n] + 1, end)] -= extra
     live = peak = at = 0
     for i in range(end):
         live += delta[i]

@@ -29,7 +29,7 @@ from autoshard._compat import c10d, recompute_region
 from autoshard.passes import bucket_collectives, lower_annotations, merge_shared_parameters, schedule_overlap
 from autoshard.passes.graph_utils import PARAMS, is_op
 from autoshard.passes.schedule import PLAN
-from autoshard.passes.step_model import peak_bytes, step_time
+from autoshard.passes.step_model import peak_bytes, release_points, step_time
 
 from fake_pg import compile_step
 
@@ -403,3 +403,16 @@ def test_schedule_fits_a_memory_budget_and_names_the_smallest_that_fits():
     fsdp2 = plan(max_prefetch=1, max_reduces_in_flight=1)
     capped = plan(no_more_than=(1, 1))
     assert capped.peak_bytes <= fsdp2.peak_bytes and capped.step_time <= fsdp2.step_time
+
+
+def test_late_release_keeps_a_collectives_buffers_until_the_next_issue():
+    """gloo frees a finished collective's buffers on its own thread: with late_release they
+    count until the next collective is issued, never less than until the wait."""
+    forward = _bucketed("forward")
+    order = [n for n in forward.graph.nodes if n.op != "output"]
+    issues = [i for i, n in enumerate(order) if n.target is c10d.all_gather_into_tensor.default]
+    on_time, late = release_points(order), release_points(order, late=True)
+    for a, b in zip(issues, issues[1:]):
+        assert on_time[order[a]] < b and late[order[a]] == b  # gathered at use: the wait comes before the next issue
+    assert late[order[issues[-1]]] == on_time[order[issues[-1]]]  # nothing is issued after the last
+    assert peak_bytes(order, lambda n: 1000, late_release=True)[0] >= peak_bytes(order, lambda n: 1000)[0]

@@ -65,8 +65,10 @@ def _profile(gm: fx.GraphModule, opts: Options) -> DeviceProfile:
 
 
 def _param_bytes(example_inputs: Sequence[Any]) -> int:
-    # This rank's share of the parameters the graph takes (Dynamo passes them as inputs).
-    local = (x.to_local() if isinstance(x, DTensor) else x for x in example_inputs if isinstance(x, torch.nn.Parameter))
+    # This rank's share of the trainable parameters the graph takes (Dynamo passes them, or
+    # their shards' leaves, as inputs; under explain as fake tensors, so not by class).
+    trainable = (x for x in example_inputs if isinstance(x, torch.Tensor) and x.requires_grad)
+    local = (x.to_local() if isinstance(x, DTensor) else x for x in trainable)
     return sum(t.numel() * t.element_size() for t in local)
 
 
@@ -78,7 +80,8 @@ def _finish(
     backward graph, writing its stages (and the report once the graph's last stage is done)."""
     profile = _profile(gm, opts)
     compute_time, comm_time = estimators(profile)
-    ctx = pipeline.Context(opts, side, compute_time, comm_time, workspace(profile), param_bytes)
+    ctx = pipeline.Context(opts, side, compute_time, comm_time, workspace=workspace(profile), param_bytes=param_bytes,
+                           late_release=profile.comm_release_late)
     pipeline.run(pipeline.PARTITIONED, gm, ctx, dump.write)
     if side == "backward" or inference:
         dump.write_report(_profile(gm, opts))

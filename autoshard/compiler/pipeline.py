@@ -50,6 +50,7 @@ class Context:
     compute_time: Callable[[fx.Node], float] | None = None
     comm_time: Callable[..., float] | None = None
     workspace: Callable[[fx.Node], int] | None = None  # a collective's in-flight extra bytes (cost_model.workspace)
+    late_release: bool = False  # collectives' buffers may outlive their waits (DeviceProfile.comm_release_late)
     param_bytes: int = 0  # this rank's parameter shards: with the optimizer state, held outside the graphs
 
 
@@ -97,7 +98,7 @@ def _schedule_overlap(gm: fx.GraphModule, ctx: Context) -> None:
         memory_budget_bytes=budget, outside_bytes=outside, workspace=ctx.workspace or no_workspace,
         # Without a budget, never more memory than FSDP2's policy (nor a slower plan).
         no_more_than=FSDP2_POLICY if opts.schedule == "autoshard" else None,
-        shards_outside=ctx.side == "backward",
+        shards_outside=ctx.side == "backward", late_release=ctx.late_release,
     )
 
 

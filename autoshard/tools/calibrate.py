@@ -291,6 +291,7 @@ def fit(measurements: Measurements, name: str = "calibrated") -> DeviceProfile:
         intra=Link("gloo-loopback", latency, bandwidth),
         inter=None,
         comm_workspace=dict(GLOO_WORKSPACE),  # calibration runs gloo
+        comm_release_late=True,
         source=(
             f"measured by python -m autoshard calibrate on {socket.gethostname()}, {date.today().isoformat()}, "
             f"torch {torch.__version__}, world sizes {', '.join(map(str, worlds))}, "

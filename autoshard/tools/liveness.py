@@ -12,6 +12,7 @@ workspace from its issue to its wait.
 """
 from __future__ import annotations
 
+import bisect
 import operator
 import re
 from dataclasses import dataclass
@@ -99,13 +100,24 @@ class Liveness:
     """
 
     def __init__(
-        self, order: Order, sources: dict[fx.Node, fx.Node], has_backward: bool, workspace: Callable[[fx.Node], int] | None = None
+        self,
+        order: Order,
+        sources: dict[fx.Node, fx.Node],
+        has_backward: bool,
+        workspace: Callable[[fx.Node], int] | None = None,
+        late_release: bool = False,
     ) -> None:
         self.end = len(order)
         self.storages: list[Storage] = []
         self.of: dict[fx.Node, list[int]] = {}
         self.workspaces: dict[fx.Node, int] = {}  # collective -> its workspace storage
         self.reads_gathered: list[set[int]] = [set() for _ in range(self.end + 1)]
+        # With late_release (gloo), a collective's input and workspace last until the next issue.
+        issues = [i for i, (_, n) in enumerate(order) if collective_kind(n) is not None]
+
+        def release(pos: int) -> int:
+            later = bisect.bisect_right(issues, pos)
+            return issues[later] if late_release and later < len(issues) else pos
         for pos, (stage, node) in enumerate(order):
             self._place(node, stage, pos, sources)
             if workspace is not None and collective_kind(node) is not None and (extra := workspace(node)):
@@ -115,9 +127,9 @@ class Liveness:
             if is_wait(node):
                 # The comm stream reads the collective's inputs until it ends, i.e. until the wait.
                 collective = issuer(node.args[0], sources)
-                self._use(collective.all_input_nodes, pos)
+                self._use(collective.all_input_nodes, release(pos))
                 if collective in self.workspaces:
-                    self.storages[self.workspaces[collective]].last_use = pos
+                    self.storages[self.workspaces[collective]].last_use = release(pos)
             pinned: list[fx.Node] = []
             if node.op == "placeholder" and stage == "forward":
                 pinned = [node]
