@@ -188,16 +188,18 @@ def schedule_overlap(
         reference = evaluate(SchedulePlan(tuple(min(d, x) for x in fast), min(r, max_reduces_in_flight)))
         budget = reference.peak_bytes if budget is None else budget
     if budget is not None:
-        smallest = evaluate(SchedulePlan((0,) * len(fast), 1)).peak_bytes
+        # Plans the greedy search may miss: gathering at use, and the reference policy (the
+        # peak is not monotone in the distances).
+        floors = [evaluate(SchedulePlan((0,) * len(fast), 1))] + ([reference] if reference is not None else [])
+        smallest = min(p.peak_bytes for p in floors)
         if smallest > budget:
             raise ValueError(
                 f"autoshard option 'memory_budget_gb': {budget / 2**30:.3f} GiB is below what this graph needs even gathering "
                 f"each bucket at its use with one reduction in flight, {smallest / 2**30:.3f} GiB; raise memory_budget_gb to "
                 "at least that, lower bucket_mb, shard over more ranks, or recompute activations (torch.utils.checkpoint)."
             )
-        plan = _fit(g, evaluate(plan), budget, evaluate)
-        if reference is not None and reference.peak_bytes <= budget and reference.step_time < plan.step_time:
-            plan = reference
+        fitting = [p for p in [_fit(g, evaluate(plan), budget, evaluate), *floors] if p.peak_bytes <= budget]
+        plan = min(fitting, key=lambda p: (p.step_time, p.peak_bytes))
         plan = replace(plan, budget_bytes=budget, forced=_forced(fast, max_reduces_in_flight, plan), smallest_bytes=smallest)
     else:
         plan = evaluate(plan)
@@ -217,8 +219,8 @@ def _fit(g: _Graph, plan: SchedulePlan, budget: int, evaluate: Callable[[Schedul
                  for j in (across or lower)]
         if plan.reduces_in_flight > 1:
             steps.append(replace(plan, reduces_in_flight=plan.reduces_in_flight - 1))
-        if not steps:  # gathering at use fits (checked first), so the peak is not prefetching's
-            raise AssertionError("no schedule step lowers the peak")
+        if not steps:  # gathering at use with one reduction in flight: the caller has other candidates
+            return plan
         tried = [evaluate(s) for s in steps]
         # The step that lowers the peak most; among equals, the one predicted fastest.
         plan = min(tried, key=lambda p: (p.peak_bytes, p.step_time))

@@ -35,8 +35,6 @@ WHERE = (
 
 # (file, enclosing function, exception) -> why its message need not start with a WHERE.
 INTERNAL = {
-    ("passes/schedule.py", "_fit", "AssertionError"):
-        "internal: unreachable, schedule_overlap checks first that gathering at use fits the budget",
     ("autoshard/_compat.py", "schedule_overlap_bucketing", "ValueError"):
         "internal: only passes/inductor_schedule.py calls it, with compute_estimator='analytical' and pre-bucketing off",
     ("autoshard/compiler/cost_model.py", "collective_time", "ValueError"):

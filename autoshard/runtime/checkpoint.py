@@ -25,17 +25,14 @@ Guarantees:
   copied into the model and optimizer only after everything succeeded: a failed ``load``
   raises ``ValueError`` (bad or mismatched checkpoint) or ``RuntimeError`` (read failure) and
   leaves both unchanged.
-* **No code runs from the checkpoint.** In torch 2.13 DCP's ``FileSystemReader.read_metadata``
-  reads ``.metadata`` with plain ``pickle.load``, and ``DefaultLoadPlanner.load_bytes`` reads
-  non-tensor values (optimizer hyperparameters) with ``torch.load(weights_only=False)``; both
-  can run arbitrary code. Only tensor payloads are read with ``weights_only=True``. Here
-  ``.metadata`` is read by an unpickler that resolves only an explicit allowlist (DCP's
-  metadata dataclasses, ``torch.Size``, dtypes, layouts, paths), the reader hands DCP that
-  object instead of unpickling again, and non-tensor values are read with
-  ``torch.load(weights_only=True)``. The manifest is JSON.
+* **No code runs from the checkpoint.** DCP (torch 2.13) unpickles ``.metadata`` with plain
+  ``pickle.load`` and non-tensor values with ``torch.load(weights_only=False)``. Here an
+  unpickler resolving only an allowlist (DCP's metadata dataclasses, ``torch.Size``, dtypes,
+  layouts, paths) reads ``.metadata`` once for DCP, and non-tensor values are read with
+  ``weights_only=True``. The manifest is JSON.
 
-Checkpoints live on a file system every rank sees. Load verifies each file once (spread over
-the ranks) before DCP reads it, so a load reads the checkpoint about twice.
+Checkpoints live on a file system every rank sees; load verifies each file once (spread over
+the ranks) before DCP reads it, so it reads the checkpoint about twice.
 """
 from __future__ import annotations
 
