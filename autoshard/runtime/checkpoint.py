@@ -1,14 +1,11 @@
 """Checkpoints of sharded training that load at any world size.
 
-``save(path, model, optimizer, extra=...)`` writes the model's and the optimizer's state with
-``torch.distributed.checkpoint`` (DCP): every rank writes only its own DTensor shards, nothing
-is gathered to one rank. Keys are fully qualified names (``model.<fqn>``, ``optim.state.<fqn>.
-exp_avg``, ...) and tensors are stored with their global shapes, so ``load`` reshards: a
-checkpoint saved on 4 ranks loads on 2, on 1 (with or without a process group) or on 8, and
-training continues as if uninterrupted. ``extra`` carries the rest of a run's state (step,
-LR-scheduler and data-loader state, RNG states): plain data and tensors, the same on every rank,
-stored under one key and handed back by ``load``. ``full_state_dict(model)`` gathers one plain
-state dict.
+``save(path, model, optimizer, extra=...)`` writes model and optimizer state with DCP: each
+rank writes only its own shards. Keys are fully qualified names (``model.<fqn>``,
+``optim.state.<fqn>.exp_avg``) and tensors keep their global shapes, so ``load`` reshards (saved
+on 4 ranks, loads on 1, 2 or 8) and training continues as if uninterrupted. ``extra`` (step,
+scheduler, data-loader and RNG state: plain data and tensors) comes back from ``load``.
+``full_state_dict(model)`` gathers one plain state dict.
 
 Guarantees:
 
@@ -31,8 +28,7 @@ Guarantees:
   layouts, paths) reads ``.metadata`` once for DCP, and non-tensor values are read with
   ``weights_only=True``. The manifest is JSON.
 
-Checkpoints live on a file system every rank sees; load verifies each file once (spread over
-the ranks) before DCP reads it, so it reads the checkpoint about twice.
+Checkpoints live on a file system every rank sees; load verifies each file once before DCP reads it.
 """
 from __future__ import annotations
 
