@@ -152,14 +152,16 @@ def schedule_overlap(
     The fastest plan takes, per bucket, the smallest d (1..``max_prefetch``) whose compute time
     covers ``collective_time`` of its gather, and r = ``max_reduces_in_flight``. With
     ``max_inflight_bytes``, d shrinks until the gathered bytes alive at once fit (ValueError
-    if d = 0 does not). With ``memory_budget_bytes``, the plan must keep the graph's live peak
-    (:func:`step_model.peak_bytes` with ``workspace`` and ``late_release``; with ``shards_outside``, the inputs
-    the gathers read count as held outside) plus ``outside_bytes`` within it:
-    one step at a time, the distance of a bucket prefetched across the peak or r drops by
-    one, the step that lowers the peak most first (then the fastest); ValueError naming the
-    smallest budget that fits if gathering at use with one reduction in flight does not. ``no_more_than=(d, r)``: a
-    reference policy (FSDP2's is (1, 1)) whose peak is the budget when none is given, and
-    whose plan is taken when it is predicted faster. The plan is in ``gm.meta[PLAN]``.
+    if d = 0 does not).
+
+    With ``memory_budget_bytes``, the graph's live peak (:func:`step_model.peak_bytes` with
+    ``workspace`` and ``late_release``; with ``shards_outside`` the shards the gathers read
+    count as held outside) plus ``outside_bytes`` must fit: one step at a time, the distance
+    of a bucket prefetched across the peak, or r, drops by one (the step that lowers the peak
+    most first, then the fastest); the fastest fitting plan of that search, gathering at use
+    and the reference is taken. ValueError names the smallest budget that fits when none
+    does. ``no_more_than=(d, r)``: a reference policy (FSDP2's is (1, 1)) whose peak is the
+    budget when none is given. The plan is in ``gm.meta[PLAN]``.
     Numerics unchanged; deterministic (graph structure, shapes and the cost functions).
     """
     g = _Graph(gm, compute_time)
@@ -167,7 +169,6 @@ def schedule_overlap(
     if max_inflight_bytes is not None:
         fast = _capped(g, fast, max_inflight_bytes)
 
-    # Unpinned inputs that gathers read are parameter shards: held by the model, not the graph.
     # A backward's inputs that gathers read are parameter shards: the model holds them.
     shards = set()
     if shards_outside:
