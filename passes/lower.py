@@ -16,15 +16,24 @@ annotations = torch.ops.autoshard
 _AC_GRAPH_ID_BASE = 1 << 20
 
 
-def _pad_rows(graph: fx.Graph, x: fx.Node, rows: int) -> fx.Node:
+# A parameter whose rows do not divide evenly is padded (and cut back) on *every* rank, by zero
+# rows where its shard is full: ranks then compile the same graph, so no scheduler (ours or
+# PyTorch's) can see different nodes on different ranks and decide differently.
+
+
+def _uneven(rows: int, world: int) -> bool:
+    return chunk_rows(rows, world) * world != rows
+
+
+def _pad_rows(graph: fx.Graph, x: fx.Node, rows: int, always: bool = False) -> fx.Node:
     missing = rows - val(x).shape[0]
-    if missing == 0:
+    if missing == 0 and not always:
         return x
     return call(graph, aten.constant_pad_nd.default, x, [0, 0] * (val(x).dim() - 1) + [0, missing], 0.0)
 
 
-def _take_rows(graph: fx.Graph, x: fx.Node, rows: int) -> fx.Node:
-    if rows == val(x).shape[0]:
+def _take_rows(graph: fx.Graph, x: fx.Node, rows: int, always: bool = False) -> fx.Node:
+    if rows == val(x).shape[0] and not always:
         return x
     return call(graph, aten.slice.Tensor, x, 0, 0, rows)
 
@@ -46,7 +55,7 @@ def _lower_unshard(graph: fx.Graph, node: fx.Node) -> tuple[fx.Node, list[fx.Nod
     cast = _cast(graph, shard, arg(node, "param_dtype"))  # on the shard: the gather moves the low precision
     if world == 1:
         return cast, [cast] if cast is not shard else []
-    padded = _pad_rows(graph, cast, chunk_rows(dim0, world))
+    padded = _pad_rows(graph, cast, chunk_rows(dim0, world), always=_uneven(dim0, world))
     gather = call(graph, c10d.all_gather_into_tensor.default, padded, world, group)
     gather.meta[PARAMS] = (name,)
     gathered = call(graph, c10d.wait_tensor.default, gather)
@@ -57,6 +66,7 @@ def _lower_unshard(graph: fx.Graph, node: fx.Node) -> tuple[fx.Node, list[fx.Nod
 def _lower_reduce_grad(graph: fx.Graph, node: fx.Node) -> fx.Node:
     group, world, name = arg(node, "group_name"), arg(node, "world_size"), arg(node, "name")
     grad = _cast(graph, arg(node, "grad"), arg(node, "reduce_dtype"))
+    uneven = world > 1 and _uneven(val(grad).shape[0], world)
     if world > 1:
         padded = _pad_rows(graph, grad, chunk_rows(val(grad).shape[0], world) * world)
         reduce = call(graph, c10d.reduce_scatter_tensor.default, padded, "avg", world, group)
@@ -64,7 +74,7 @@ def _lower_reduce_grad(graph: fx.Graph, node: fx.Node) -> fx.Node:
         grad = call(graph, c10d.wait_tensor.default, reduce)
     if arg(node, "replicas") > 1:  # on the padded shard: the same shape on every rank
         grad = _all_reduce(graph, grad, arg(node, "replica_group"), name)
-    return _cast(graph, _take_rows(graph, grad, arg(node, "shard_rows")), arg(node, "out_dtype"))
+    return _cast(graph, _take_rows(graph, grad, arg(node, "shard_rows"), always=uneven), arg(node, "out_dtype"))
 
 
 def _lower_all_reduce_grad(graph: fx.Graph, node: fx.Node) -> fx.Node:
@@ -97,8 +107,9 @@ def lower_annotations(gm: fx.GraphModule, reshard_after_forward: bool | None = N
     [-> all_reduce(avg) over the replica group -> wait_tensor] -> slice [-> cast],
     ``all_reduce_grad`` becomes [cast] -> all_reduce(avg) -> wait_tensor [-> the same over
     the replica group] [-> cast] and ``replicate`` its input [cast] (casts only where a
-    mixed-precision dtype differs, pads and slices only where dim 0 does not divide evenly;
-    no collective over a group of one rank). Each collective records its parameter name in
+    mixed-precision dtype differs; pads and slices only where dim 0 does not divide evenly, and
+    then on every rank, by zero rows where the shard is full; no collective over a group of
+    one rank). Each collective records its parameter name in
     ``meta["autoshard_params"]``. A gradient sent to a sink (synchronisation off) has no
     collective: autograd already routed it there.
     Gathers to reshard (the op's flag, or ``reshard_after_forward`` when given) and

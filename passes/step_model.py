@@ -10,6 +10,7 @@ from __future__ import annotations
 import operator
 from typing import Callable, Collection, Sequence
 
+import torch
 from torch import fx
 
 from .graph_utils import collective_kind, is_view, is_wait, nbytes
@@ -22,11 +23,13 @@ def no_workspace(node: fx.Node) -> int:
 
 
 def _aliases(node: fx.Node) -> bool:
-    # Nodes that return (part of) an existing storage instead of allocating one.
+    # Nodes that return (part of) an existing storage instead of allocating one. A pad counts
+    # as one too, sized as its output: lowering pads a short shard on the ranks that have one
+    # only, and every rank must price the same graph alike (they must reach one plan).
     return (
         is_view(node, hidden=True)
         or is_wait(node)
-        or (node.op == "call_function" and node.target is operator.getitem)
+        or (node.op == "call_function" and node.target in (operator.getitem, torch.ops.aten.constant_pad_nd.default))
     )
 
 
@@ -87,11 +90,14 @@ def peak_bytes(
     if output is not None:
         for a in output.all_input_nodes:
             last[root.get(a, a)] = end
+    sizes: dict[fx.Node, int] = {}  # a storage's bytes: the largest of its aliases (a pad's output)
+    for n in order:
+        sizes[root[n]] = max(sizes.get(root[n], 0), nbytes(n))
     delta = [0] * (end + 1)
     for n in order:
         if root[n] is not n:
             continue
-        size = 0 if n in held_outside else nbytes(n)
+        size = 0 if n in held_outside else sizes[n]
         if not size:
             continue
         free = end if (n.op == "placeholder" and pin_inputs) else last.get(n, pos[n])

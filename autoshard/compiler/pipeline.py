@@ -94,7 +94,7 @@ def _schedule_overlap(gm: fx.GraphModule, ctx: Context) -> None:
     outside = opts.optimizer_states * ctx.param_bytes + (ctx.param_bytes if ctx.side == "backward" else 0)
     budget = None if opts.memory_budget_gb is None else int(opts.memory_budget_gb * 2**30)
     schedule_overlap(
-        gm, ctx.compute_time, ctx.comm_time, mib_to_bytes(opts.max_inflight_mb), **limits,
+        gm, _rank_independent(ctx.compute_time), ctx.comm_time, mib_to_bytes(opts.max_inflight_mb), **limits,
         memory_budget_bytes=budget, outside_bytes=outside, workspace=ctx.workspace or no_workspace,
         # Without a budget, never more memory than FSDP2's policy (nor a slower plan).
         no_more_than=FSDP2_POLICY if opts.schedule == "autoshard" else None,
@@ -102,10 +102,14 @@ def _schedule_overlap(gm: fx.GraphModule, ctx: Context) -> None:
     )
 
 
+def _rank_independent(compute_time: Callable[[fx.Node], float]) -> Callable[[fx.Node], float]:
+    # Pads move different bytes on different ranks (zero rows where a shard is full): pricing
+    # them would let a scheduler decide differently per rank. Data movement is priced at zero.
+    return lambda n: 0.0 if is_copy(n) else compute_time(n)
+
+
 def _inductor_schedule(gm: fx.GraphModule, ctx: Context) -> None:
-    # Shards are padded only on ranks whose shard is short: pricing those pads would let
-    # PyTorch's scheduler decide differently per rank. Data movement is priced at zero.
-    inductor_schedule(gm, lambda n: 0.0 if is_copy(n) else ctx.compute_time(n), ctx.comm_time)
+    inductor_schedule(gm, _rank_independent(ctx.compute_time), ctx.comm_time)
 
 
 # The graph Dynamo hands the backend.
