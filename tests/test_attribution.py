@@ -47,7 +47,7 @@ def _pair() -> tuple[fx.GraphModule, fx.GraphModule]:
 def _categories(forward: fx.GraphModule, backward: fx.GraphModule) -> dict[tuple[str, str], str]:
     order = [("forward", n) for n in forward.graph.nodes] + [("backward", n) for n in backward.graph.nodes]
     sources = saved_sources(forward, backward)
-    live = Liveness(order, sources, True)
+    live = Liveness(order, sources)
     categorize(live, order, sources)
     return {(s.stage[0], s.node.name.removesuffix("_default").removesuffix("_tensor")): s.category for s in live.storages}
 

@@ -103,7 +103,6 @@ class Liveness:
         self,
         order: Order,
         sources: dict[fx.Node, fx.Node],
-        has_backward: bool,
         workspace: Callable[[fx.Node], int] | None = None,
         late_release: bool = False,
     ) -> None:
@@ -130,14 +129,10 @@ class Liveness:
                 self._use(collective.all_input_nodes, release(pos))
                 if collective in self.workspaces:
                     self.storages[self.workspaces[collective]].last_use = release(pos)
-            pinned: list[fx.Node] = []
             if node.op == "placeholder" and stage == "forward":
-                pinned = [node]
-            elif node.op == "output" and stage == "forward":
-                pinned = node.all_input_nodes
-            elif node.op == "output":
-                pinned = node.all_input_nodes
-            self._use(pinned, self.end)
+                self._use([node], self.end)
+            elif node.op == "output":  # user outputs, saved values, gradients
+                self._use(node.all_input_nodes, self.end)
 
     def _place(self, node: fx.Node, stage: str, pos: int, sources: dict[fx.Node, fx.Node]) -> None:
         """Give ``node`` its storages: an alias's are its base's, anything else allocates."""

@@ -154,12 +154,12 @@ def _simulate(order: Order, sources: dict[fx.Node, fx.Node], profile: DeviceProf
     )
 
 
-def _memory(order: Order, sources: dict[fx.Node, fx.Node], has_backward: bool, starts: list[float], profile: DeviceProfile) -> dict:
+def _memory(order: Order, sources: dict[fx.Node, fx.Node], starts: list[float], profile: DeviceProfile) -> dict:
     """Live bytes after each node allocates (in total and per category), their peak and what
     is alive there, the gathered peak, and the lower bound of :class:`StepAnalysis`.
     Gathered storages: all-gather outputs and the storage of any node tagged
     ``meta[GATHERED]`` (bucket copy-outs)."""
-    live = Liveness(order, sources, has_backward, workspace(profile), profile.comm_release_late)
+    live = Liveness(order, sources, workspace(profile), profile.comm_release_late)
     categorize(live, order, sources)
     total, gathered = live.curve(), live.curve(gathered=True)
     by_category = {c: live.curve(c) for c in CATEGORIES}
@@ -225,5 +225,5 @@ def analyze(forward: fx.GraphModule, backward: fx.GraphModule | None, profile: s
     order = [(stage, node) for stage, gm in stages for node in gm.graph.nodes]
     sources = saved_sources(forward, backward)
     sim = _simulate(order, sources, profile)
-    mem = _memory(order, sources, backward is not None, sim.pop("starts"), profile)
+    mem = _memory(order, sources, sim.pop("starts"), profile)
     return StepAnalysis(**sim, **mem, step_lower_bound=_step_lower_bound(forward, backward, sim, profile))
