@@ -19,7 +19,6 @@ import torch.utils._runtime_estimation as runtime_estimation
 from torch._dynamo import lookup_backend
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.utils import counters as dynamo_counters
-from torch._functorch.aot_autograd import make_boxed_func
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 from torch._inductor.fx_passes.memory_estimator import MemoryTracker
@@ -56,7 +55,7 @@ __all__ = [
     "functorch_config",
     "inductor_config",
     "lookup_backend",
-    "make_boxed_func",
+    "boxed",
     "min_cut_rematerialization_partition",
     "must_recompute",
     "optimization_hint",
@@ -88,6 +87,15 @@ def register_backend(fn, name: str) -> None:
 
     if not entry_points(group="torch_dynamo_backends", name=name):
         torch._dynamo.register_backend(fn, name=name)
+
+
+def boxed(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """``gm`` in the boxed calling convention: called with one list of inputs, which it empties,
+    so each input dies at its last use (``make_boxed_func`` keeps the list, and with it every
+    saved activation of a backward, alive until the graph returns)."""
+    gm.graph.set_codegen(torch.fx.graph._BoxedCodeGen())
+    gm.recompile()
+    return gm
 
 
 def to_local_source(node: torch.fx.Node) -> torch.fx.Node | None:

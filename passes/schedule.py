@@ -155,8 +155,8 @@ def schedule_overlap(
     if d = 0 does not).
 
     With ``memory_budget_bytes``, the graph's live peak (:func:`step_model.peak_bytes` with
-    ``workspace`` and ``late_release``; with ``shards_outside`` the shards the gathers read
-    count as held outside) plus ``outside_bytes`` must fit: one step at a time, the distance
+    ``workspace`` and ``late_release``; with ``shards_outside``, for a backward, the shards the
+    gathers read count as held outside and the other inputs die at their last use) plus ``outside_bytes`` must fit: one step at a time, the distance
     of a bucket prefetched across the peak, or r, drops by one (the step that lowers the peak
     most first, then the fastest); the fastest fitting plan of that search, gathering at use
     and the reference is taken. ValueError names the smallest budget that fits when none
@@ -177,7 +177,7 @@ def schedule_overlap(
     def evaluate(plan: SchedulePlan) -> SchedulePlan:
         priority = g.priorities(plan)
         order = ordered(g.graph, priority)
-        peak, at = peak_bytes(order, workspace, held_outside=shards, late_release=late_release)
+        peak, at = peak_bytes(order, workspace, pin_inputs=not shards_outside, held_outside=shards, late_release=late_release)
         return replace(plan, peak_bytes=peak + outside_bytes, step_time=step_time(order, compute_time, collective_time),
                        peak_at=priority[order[at]] if order else 0.0)
 

@@ -62,11 +62,10 @@ def peak_bytes(
     A storage is allocated when its node runs and freed after the last use of it or of any
     alias (views, getitem, waits alias their input); a collective's input also lives until
     its wait (the comm stream reads it) and its ``workspace`` from issue to wait. Graph
-    outputs live to the end. ``pin_inputs``: placeholders live to the end too: a forward's
-    inputs belong to the caller (parameter shards, the batch), and autograd releases the
-    tensors a compiled backward takes (saved activations) only once it returns (measured:
-    a gathered block saved for backward stays allocated through the whole backward);
-    otherwise they are freed after their last use. ``held_outside``: placeholders the
+    outputs live to the end. ``pin_inputs``: placeholders live to the end too, as a forward's
+    do (they belong to the caller: parameter shards, the batch); a backward's (saved
+    activations, tangents) are freed after their last use (False), since the backend runs
+    graphs in the boxed convention, which hands the inputs over (``_compat.boxed``). ``held_outside``: placeholders the
     caller counts itself (a backward's parameter shards), here 0 bytes. ``late_release``:
     collectives' inputs and workspaces last until :func:`release_points` says.
     """

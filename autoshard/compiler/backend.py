@@ -17,11 +17,11 @@ from torch.distributed.tensor import DTensor
 
 from autoshard._compat import (
     aot_autograd,
+    boxed,
     compile_fx,
     compile_fx_inner,
     functorch_config,
     inductor_config,
-    make_boxed_func,
     min_cut_rematerialization_partition,
     register_backend,
 )
@@ -118,7 +118,7 @@ def autoshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options
             return compile_fx(gm, example_inputs, inner_compile=inner_compile)
 
         def compiler(side: str, inference: bool = False) -> Callable:
-            return lambda g, _inputs: make_boxed_func(_finish(g, side, dump, opts, param_bytes, inference).forward)
+            return lambda g, _inputs: boxed(_finish(g, side, dump, opts, param_bytes, inference))
 
         # No decompositions: aot_eager runs the same ATen kernels as eager, bit for bit.
         return aot_autograd(

@@ -5,9 +5,9 @@ from graph structure alone.
 A storage is allocated when its node runs and freed after its last use through any alias. Views,
 getitem and wait_tensor alias their input; a backward placeholder aliases the saved forward
 value it receives. Pinned until the end of the step: forward placeholders (owned by the caller:
-parameter shards, the batch), forward outputs (user outputs, and the values saved for the
-backward: autograd releases what a compiled backward takes only once it returns) and backward
-outputs (gradients). A collective whose profile stages its buffer (gloo) also holds a
+parameter shards, the batch), the forward's user outputs and the backward's outputs
+(gradients). A value saved for the backward dies at its last use there: the backend runs graphs
+in the boxed convention, so a compiled backward owns what it takes. A collective whose profile stages its buffer (gloo) also holds a
 workspace from its issue to its wait.
 """
 from __future__ import annotations
@@ -117,6 +117,7 @@ class Liveness:
         def release(pos: int) -> int:
             later = bisect.bisect_right(issues, pos)
             return issues[later] if late_release and later < len(issues) else pos
+        saved = set(sources.values())
         for pos, (stage, node) in enumerate(order):
             self._place(node, stage, pos, sources)
             if workspace is not None and collective_kind(node) is not None and (extra := workspace(node)):
@@ -131,8 +132,9 @@ class Liveness:
                     self.storages[self.workspaces[collective]].last_use = release(pos)
             if node.op == "placeholder" and stage == "forward":
                 self._use([node], self.end)
-            elif node.op == "output":  # user outputs, saved values, gradients
-                self._use(node.all_input_nodes, self.end)
+            elif node.op == "output":  # user outputs and gradients; saved values die in backward
+                kept = [a for a in node.all_input_nodes if stage != "forward" or a not in saved]
+                self._use(kept, self.end)
 
     def _place(self, node: fx.Node, stage: str, pos: int, sources: dict[fx.Node, fx.Node]) -> None:
         """Give ``node`` its storages: an alias's are its base's, anything else allocates."""
