@@ -141,19 +141,19 @@ def _backward_args(op: torch._ops.OpOverload, inputs: tuple, backward: torch._op
 
 
 def _unshard_setup(ctx, inputs, output):
-    a = arguments(_UNSHARD, inputs)
+    a = arguments(UNSHARD, inputs)
     shard = a["shard"]
-    ctx.args = _backward_args(_UNSHARD, inputs, _REDUCE_GRAD, shard_rows=shard.shape[0], out_dtype=shard.dtype)
+    ctx.args = _backward_args(UNSHARD, inputs, _REDUCE_GRAD, shard_rows=shard.shape[0], out_dtype=shard.dtype)
     ctx.sink_dtype = None if a["sink"] is None else a["sink"].dtype
 
 
 def _unshard_backward(ctx, grad):
     if ctx.sink_dtype is not None:  # synchronisation off: the full gradient stays local
-        return _gradients(_UNSHARD, sink=_sink_grad(ctx, grad))
-    return _gradients(_UNSHARD, shard=reduce_grad(grad.contiguous(), *ctx.args))
+        return _gradients(UNSHARD, sink=_sink_grad(ctx, grad))
+    return _gradients(UNSHARD, shard=reduce_grad(grad.contiguous(), *ctx.args))
 
 
-_UNSHARD, _REDUCE_GRAD = torch.ops.autoshard.unshard.default, torch.ops.autoshard.reduce_grad.default
+UNSHARD, _REDUCE_GRAD = torch.ops.autoshard.unshard.default, torch.ops.autoshard.reduce_grad.default
 unshard.register_autograd(_unshard_backward, setup_context=_unshard_setup)
 
 
@@ -194,16 +194,16 @@ def _(grad, group_name, world_size, name, reduce_dtype, out_dtype, replica_group
 
 
 def _replicate_setup(ctx, inputs, output):
-    a = arguments(_REPLICATE, inputs)
-    ctx.args = _backward_args(_REPLICATE, inputs, _ALL_REDUCE_GRAD, out_dtype=a["tensor"].dtype)
+    a = arguments(REPLICATE, inputs)
+    ctx.args = _backward_args(REPLICATE, inputs, _ALL_REDUCE_GRAD, out_dtype=a["tensor"].dtype)
     ctx.sink_dtype = None if a["sink"] is None else a["sink"].dtype
 
 
 def _replicate_backward(ctx, grad):
     if ctx.sink_dtype is not None:
-        return _gradients(_REPLICATE, sink=_sink_grad(ctx, grad))
-    return _gradients(_REPLICATE, tensor=all_reduce_grad(grad, *ctx.args))
+        return _gradients(REPLICATE, sink=_sink_grad(ctx, grad))
+    return _gradients(REPLICATE, tensor=all_reduce_grad(grad, *ctx.args))
 
 
-_REPLICATE, _ALL_REDUCE_GRAD = torch.ops.autoshard.replicate.default, torch.ops.autoshard.all_reduce_grad.default
+REPLICATE, _ALL_REDUCE_GRAD = torch.ops.autoshard.replicate.default, torch.ops.autoshard.all_reduce_grad.default
 replicate.register_autograd(_replicate_backward, setup_context=_replicate_setup)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import warnings
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Iterator
 
 import torch
@@ -50,6 +50,19 @@ class ParamSpec:
     reduce_dtype: torch.dtype | None = None  # gradients reduced in; None: the gradient's
     replica_group: str = ""  # hybrid: gradients are then averaged over this group too
     replicas: int = 1
+    # The annotation op and its arguments before and after ``sink``, built once: a parameter
+    # use then loads an op and two tuples of constants, which Dynamo traces much faster than
+    # ten attributes.
+    op: torch._ops.OpOverload = field(init=False, compare=False, repr=False)
+    head: tuple = field(init=False, compare=False, repr=False)
+    tail: tuple = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        shape = (self.world_size,) if self.dim0 < 0 else (self.world_size, self.dim0, self.reshard)
+        # The ops' overloads themselves: calling their Python wrappers costs Dynamo a frame each.
+        object.__setattr__(self, "op", ops.REPLICATE if self.dim0 < 0 else ops.UNSHARD)
+        object.__setattr__(self, "head", (self.group_name, *shape, self.name))
+        object.__setattr__(self, "tail", (self.param_dtype, self.reduce_dtype, self.replica_group, self.replicas))
 
 
 class ShardedModule:
@@ -88,14 +101,12 @@ def _annotate(module: nn.Module, name: str) -> torch.Tensor:
     # The shard as a plain tensor (see autoshard.runtime.leaves): tracing sees no DTensor. While
     # compiling, the leaves built at shard time (and kept current by _apply); eagerly, checked.
     found = getattr(module, leaves.LEAVES)[name] if torch.compiler.is_compiling() else leaves.leaves_of(module, name)
-    local = found.trainable if param.requires_grad else found.frozen
-    # A Python constant that Dynamo guards on: one compiled variant per setting.
-    synced = getattr(module, grad_sync.SYNC) or not param.requires_grad
-    sink = None if synced else getattr(module, grad_sync.SINKS)[name]
-    comm = (sink, spec.param_dtype, spec.reduce_dtype, spec.replica_group, spec.replicas)
-    if spec.dim0 < 0:
-        return ops.replicate(local, spec.group_name, spec.world_size, spec.name, *comm)
-    return ops.unshard(local, spec.group_name, spec.world_size, spec.dim0, spec.reshard, spec.name, *comm)
+    if param.requires_grad:
+        # A Python constant that Dynamo guards on: one compiled variant per setting.
+        local, sink = found.trainable, None if getattr(module, grad_sync.SYNC) else getattr(module, grad_sync.SINKS)[name]
+    else:
+        local, sink = found.frozen, None
+    return spec.op(local, *spec.head, sink, *spec.tail)
 
 
 _subclasses: dict[tuple[type, tuple[str, ...]], type] = {}
