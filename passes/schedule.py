@@ -158,10 +158,10 @@ def schedule_overlap(
     ``workspace`` and ``late_release``; with ``shards_outside``, for a backward, the shards the
     gathers read count as held outside and the other inputs die at their last use) plus
     ``outside_bytes`` must fit: one step at a time, the distance of a bucket prefetched across
-    the peak, or r, drops by one (the step that lowers the peak most first, then the fastest); the fastest fitting plan of that search, gathering at use
-    and the reference is taken. ValueError names the smallest budget that fits when none
-    does. ``no_more_than=(d, r)``: a reference policy (FSDP2's is (1, 1)) whose peak is the
-    budget when none is given. The plan is in ``gm.meta[PLAN]``.
+    the peak, or r, drops by one (the step that lowers the peak most first, then the fastest);
+    the fastest fitting plan of that search, gathering at use and the reference is taken.
+    ValueError names the smallest budget that fits when none does. ``no_more_than=(d, r)``: a
+    reference policy (FSDP2's is (1, 1)) whose peak is the budget when none is given. The plan is in ``gm.meta[PLAN]``.
     Numerics unchanged; deterministic (graph structure, shapes and the cost functions).
     """
     g = _Graph(gm, compute_time)
