@@ -20,7 +20,7 @@ class SchedulePlan:
 
     distances: per gather bucket (graph order), how many buckets ahead it is issued (0:
         gathered at its first use). reduces_in_flight: reductions of one kind issued before
-        the oldest is waited for. peak_bytes: the graph's live peak plus ``outside_bytes``.
+        the oldest is waited for (0: each is waited right after its issue). peak_bytes: the graph's live peak plus ``outside_bytes``.
     """
 
     distances: tuple[int, ...]
@@ -29,7 +29,8 @@ class SchedulePlan:
     step_time: float = 0.0
     budget_bytes: int | None = None
     forced: tuple[str, ...] = ()  # what the budget changed, in words
-    smallest_bytes: int | None = None  # the peak gathering at use with one reduction in flight
+    smallest_bytes: int | None = None  # the peak gathering at use, each reduction waited at once
+    reference_bytes: int | None = None  # the reference policy's peak (``no_more_than``), the default budget
     peak_at: float = 0.0  # where the peak is, as a position of the graph before scheduling
 
 
@@ -101,7 +102,10 @@ class _Graph:
                     priority[n] = ready + 0.5
             for j, outputs in enumerate(outputs_by_reduce):
                 later = j + plan.reduces_in_flight
-                wait_at = priority[reduces[later]] - 0.25 if later < len(reduces) else end
+                if plan.reduces_in_flight == 0:  # waited as soon as it is issued: nothing in flight
+                    wait_at = priority[reduces[j]] + 0.01
+                else:
+                    wait_at = priority[reduces[later]] - 0.25 if later < len(reduces) else end
                 for n in outputs:
                     priority[n] = wait_at
         return priority
@@ -137,8 +141,10 @@ def schedule_overlap(
     outside_bytes: int = 0,
     workspace: Workspace = no_workspace,
     no_more_than: tuple[int, int] | None = None,
+    reference_blocking: bool = False,
     shards_outside: bool = False,
     late_release: bool = False,
+    plan: SchedulePlan | None = None,
 ) -> fx.GraphModule:
     """Reorder a bucketed forward or backward graph so communication hides behind compute.
 
@@ -146,7 +152,8 @@ def schedule_overlap(
     first use of bucket j - d (its prefetch distance d; 0: at its own first use), after that
     bucket's wait, and its own wait and copy-out sit right before its first use. Each gradient reduction (reduce-scatter,
     all-reduce) is issued right after its last input exists and waited right before the
-    reduction of its kind ``r`` buckets later is issued, or at the end; an all-reduce of a
+    reduction of its kind ``r`` buckets later is issued, or at the end (r = 0: right after
+    its own issue); an all-reduce of a
     reduce-scatter's result (hybrid sharding) is issued right after that reduce-scatter's wait.
 
     The fastest plan takes, per bucket, the smallest d (1..``max_prefetch``) whose compute time
@@ -161,10 +168,18 @@ def schedule_overlap(
     the peak, or r, drops by one (the step that lowers the peak most first, then the fastest);
     the fastest fitting plan of that search, gathering at use and the reference is taken.
     ValueError names the smallest budget that fits when none does. ``no_more_than=(d, r)``: a
-    reference policy (FSDP2's is (1, 1)) whose peak is the budget when none is given. The plan is in ``gm.meta[PLAN]``.
-    Numerics unchanged; deterministic (graph structure, shapes and the cost functions).
+    reference policy (FSDP2's on GPUs is (1, 1)) whose peak is the budget when none is given;
+    ``reference_blocking``: its collectives block their caller (FSDP2 eager on gloo), so its
+    peak counts their buffers freed at the wait even under ``late_release``. ``plan``: take
+    these decisions (a plan found earlier on the same graph), no search. The plan is in
+    ``gm.meta[PLAN]``. Numerics unchanged; deterministic (graph structure, shapes and the cost
+    functions).
     """
+    compute_time, collective_time = _cached(compute_time), _cached(collective_time)  # each plan tried re-times every node
     g = _Graph(gm, compute_time)
+    if plan is not None:
+        gm.meta[PLAN] = plan
+        return reorder(gm, g.priorities(plan))
     fast = [g.hiding_distance(j, collective_time(x.node), max_prefetch) for j, x in enumerate(g.gathers)]
     if max_inflight_bytes is not None:
         fast = _capped(g, fast, max_inflight_bytes)
@@ -174,38 +189,54 @@ def schedule_overlap(
     if shards_outside:
         shards = {a for x in g.gathers for n in x.issue for a in n.all_input_nodes if a.op == "placeholder"}
 
-    def evaluate(plan: SchedulePlan) -> SchedulePlan:
+    def evaluate(plan: SchedulePlan, late: bool = late_release) -> SchedulePlan:
         priority = g.priorities(plan)
         order = ordered(g.graph, priority)
-        peak, at = peak_bytes(order, workspace, pin_inputs=not shards_outside, held_outside=shards, late_release=late_release)
+        peak, at = peak_bytes(order, workspace, pin_inputs=not shards_outside, held_outside=shards, late_release=late)
         return replace(plan, peak_bytes=peak + outside_bytes, step_time=step_time(order, compute_time, collective_time),
                        peak_at=priority[order[at]] if order else 0.0)
 
     plan = SchedulePlan(tuple(fast), max_reduces_in_flight)
     budget = memory_budget_bytes
-    reference = None
+    reference = reference_bytes = None
     if no_more_than is not None:
         d, r = no_more_than
-        reference = evaluate(SchedulePlan(tuple(min(d, x) for x in fast), min(r, max_reduces_in_flight)))
-        budget = reference.peak_bytes if budget is None else budget
+        policy = SchedulePlan(tuple(min(d, x) for x in fast), min(r, max_reduces_in_flight))
+        reference = evaluate(policy)
+        # Blocking collectives are done, their buffers freed, when the call returns.
+        reference_bytes = evaluate(policy, late=False).peak_bytes if reference_blocking else reference.peak_bytes
+        budget = reference_bytes if budget is None else budget
     if budget is not None:
         # Plans the greedy search may miss: gathering at use, and the reference policy (the
         # peak is not monotone in the distances).
-        floors = [evaluate(SchedulePlan((0,) * len(fast), 1))] + ([reference] if reference is not None else [])
+        floors = [evaluate(SchedulePlan((0,) * len(fast), 0))] + ([reference] if reference is not None else [])
         smallest = min(p.peak_bytes for p in floors)
+        if smallest > budget and memory_budget_bytes is None:
+            budget = smallest  # the reference's peak is out of reach on this graph: come as close as we can
         if smallest > budget:
             raise ValueError(
                 f"autoshard option 'memory_budget_gb': {budget / 2**30:.3f} GiB is below what this graph needs even gathering "
-                f"each bucket at its use with one reduction in flight, {smallest / 2**30:.3f} GiB; raise memory_budget_gb to "
+                f"each bucket at its use and waiting each reduction at once, {smallest / 2**30:.3f} GiB; raise memory_budget_gb to "
                 "at least that, lower bucket_mb, shard over more ranks, or recompute activations (torch.utils.checkpoint)."
             )
         fitting = [p for p in [_fit(g, evaluate(plan), budget, evaluate), *floors] if p.peak_bytes <= budget]
         plan = min(fitting, key=lambda p: (p.step_time, p.peak_bytes))
-        plan = replace(plan, budget_bytes=budget, forced=_forced(fast, max_reduces_in_flight, plan), smallest_bytes=smallest)
+        plan = replace(plan, budget_bytes=budget, forced=_forced(fast, max_reduces_in_flight, plan), smallest_bytes=smallest,
+                       reference_bytes=reference_bytes)
     else:
         plan = evaluate(plan)
     gm.meta[PLAN] = plan
     return reorder(gm, g.priorities(plan))
+
+
+def _cached(time: Callable[[fx.Node], float]) -> Callable[[fx.Node], float]:
+    found: dict[fx.Node, float] = {}
+
+    def timed(node: fx.Node) -> float:
+        if node not in found:
+            found[node] = time(node)
+        return found[node]
+    return timed
 
 
 def _fit(g: _Graph, plan: SchedulePlan, budget: int, evaluate: Callable[[SchedulePlan], SchedulePlan]) -> SchedulePlan:
@@ -218,9 +249,9 @@ def _fit(g: _Graph, plan: SchedulePlan, budget: int, evaluate: Callable[[Schedul
         across = [j for j in lower if g.issue_at(j, plan.distances[j]) - 1 <= plan.peak_at <= g.gathers[j].first_use]
         steps = [replace(plan, distances=plan.distances[:j] + (plan.distances[j] - 1,) + plan.distances[j + 1 :])
                  for j in (across or lower)]
-        if plan.reduces_in_flight > 1:
+        if plan.reduces_in_flight > 0:
             steps.append(replace(plan, reduces_in_flight=plan.reduces_in_flight - 1))
-        if not steps:  # gathering at use with one reduction in flight: the caller has other candidates
+        if not steps:  # gathering at use, no reduction in flight: the caller has other candidates
             return plan
         tried = [evaluate(s) for s in steps]
         # The step that lowers the peak most; among equals, the one predicted fastest.

@@ -26,8 +26,9 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from autoshard._compat import c10d, recompute_region
+from autoshard.compiler.bucket_plan import choose_bucket_mb
 from autoshard.passes import bucket_collectives, lower_annotations, merge_shared_parameters, schedule_overlap
-from autoshard.passes.graph_utils import PARAMS, is_op
+from autoshard.passes.graph_utils import PARAMS, collective_kind, is_op, nbytes
 from autoshard.passes.schedule import PLAN
 from autoshard.passes.step_model import peak_bytes, release_points, step_time
 
@@ -344,14 +345,18 @@ def test_schedule_prefetches_less_to_stay_within_the_memory_bound(drawing):
         schedule_overlap(_bucketed("forward"), _matmuls_take_one, lambda n: 1.5, max_inflight_bytes=_gathered_bytes(third) - 1)
 
 
-@pytest.mark.parametrize("in_flight", [1, 2])
+@pytest.mark.parametrize("in_flight", [0, 1, 2])
 def test_schedule_issues_reductions_early_and_waits_buckets_later(in_flight, drawing):
     """A reduce-scatter is issued right after its last gradient and waited right before the
-    one in_flight buckets later is issued (or at the end); re-gathers are prefetched.
+    one in_flight buckets later is issued (or at the end; 0: right after its own issue, as
+    FSDP2 eager's blocking collectives on CPU); re-gathers are prefetched.
 
     before:  ag(norm.w+norm.b+2.w) wait(norm.w+norm.b+2.w) ln_bw mm mm
              rs(norm.b+norm.w+2.b+2.w) wait(norm.b+norm.w+2.b+2.w)
              ag(1.w) wait(1.w) mm mm rs(1.b+1.w) wait(1.b+1.w) mm rs(0.b+0.w) wait(0.b+0.w)
+    0:       ag(norm.w+norm.b+2.w) wait(norm.w+norm.b+2.w) ag(1.w) ln_bw mm mm
+             rs(norm.b+norm.w+2.b+2.w) wait(norm.b+norm.w+2.b+2.w) wait(1.w) mm mm
+             rs(1.b+1.w) wait(1.b+1.w) mm rs(0.b+0.w) wait(0.b+0.w)
     1:       ag(norm.w+norm.b+2.w) wait(norm.w+norm.b+2.w) ag(1.w) ln_bw mm mm
              rs(norm.b+norm.w+2.b+2.w) wait(1.w) mm mm wait(norm.b+norm.w+2.b+2.w)
              rs(1.b+1.w) mm wait(1.b+1.w) rs(0.b+0.w) wait(0.b+0.w)
@@ -363,6 +368,36 @@ def test_schedule_issues_reductions_early_and_waits_buckets_later(in_flight, dra
     assert events(backward) == drawing("before")
     schedule_overlap(backward, _matmuls_take_one, lambda n: 0.5, max_reduces_in_flight=in_flight)
     assert events(backward) == drawing(str(in_flight))
+
+
+def _gather_time(per_largest: float, sizes: list[int]) -> Callable[[fx.Node], float]:
+    """A collective's time: a latency plus ``per_largest`` for the largest bucket's bytes."""
+    return lambda n: 0.05 + per_largest * nbytes(n) / max(sizes)
+
+
+@pytest.mark.parametrize("per_largest, split", [(0.5, None), (2.0, 4)])
+def test_bucket_plan_splits_buckets_only_when_the_budget_stops_block_buckets_prefetching(per_largest, split):
+    """The default budget is FSDP2's policy (1 ahead) on block buckets. Gathers of 0.5 per
+    block are hidden 1 ahead: nothing to split. Gathers of 2 want 2 ahead, which the budget
+    forbids; quarter buckets, prefetched, fit the same budget and run faster."""
+    sizes = [nbytes(n) for n in _bucketed("forward").graph.nodes if collective_kind(n) == "all_gather"]
+    comm = _gather_time(per_largest, sizes)
+
+    def schedule(gm: fx.GraphModule, budget: int | None) -> None:
+        schedule_overlap(gm, _matmuls_take_one, comm, memory_budget_bytes=budget, no_more_than=(1, 1))
+
+    mb, plan = choose_bucket_mb(stage(Stack, "forward"), schedule, None)
+    blocks = _bucketed("forward")
+    schedule(blocks, None)
+    if split is None:
+        assert mb is None and plan == blocks.meta[PLAN] and not plan.forced
+        return
+    budget = blocks.meta[PLAN].budget_bytes
+    assert blocks.meta[PLAN].forced and mb == max(sizes) / split / 2**20 and plan.budget_bytes == budget
+    chosen = bucket_collectives(stage(Stack, "forward"), mb)
+    schedule(chosen, budget)
+    assert chosen.meta[PLAN] == plan  # the plan handed back is the one the schedule finds
+    assert plan.peak_bytes <= budget and plan.step_time < blocks.meta[PLAN].step_time
 
 
 # the step model and the memory budget (bucketed forward of Stack) ---------------------------

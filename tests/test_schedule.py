@@ -88,14 +88,25 @@ def test_fsdp2_schedule_prefetches_one_block_and_reduces_one_at_a_time():
         assert order[wait_of(r)] < order[later]
 
 
-def _plans(schedule: str = "autoshard", **options) -> list[SchedulePlan]:
+def _plans(schedule: str = "autoshard", profile: str = "cpu", **options) -> list[SchedulePlan]:
     """The schedule's plan of the forward and the backward (gloo's workspaces: profile "cpu")."""
-    return [g.meta[PLAN] for g in _compile(schedule, profile="cpu", **options)]
+    return [g.meta[PLAN] for g in _compile(schedule, profile=profile, **options)]
 
 
 def test_by_default_never_more_memory_than_fsdp2_nor_slower():
-    for ours, fsdp2 in zip(_plans(), _plans("fsdp2")):
+    """On GPUs FSDP2 prefetches as our graph can: the default is no bigger and no slower."""
+    for ours, fsdp2 in zip(_plans(profile="h100"), _plans("fsdp2", profile="h100")):
         assert ours.peak_bytes <= fsdp2.peak_bytes and ours.step_time <= fsdp2.step_time
+
+
+def test_on_gloo_the_default_fits_fsdp2_eager_whose_collectives_block():
+    """On CPU ranks FSDP2 eager's collectives block: its peak, the default's budget, is below
+    what our graph needs under its policy with gloo's late frees ("fsdp2"). The default fits
+    it, splitting buckets when that is the fastest way (here: the forward)."""
+    ours, fsdp2 = _plans(), _plans("fsdp2")
+    for mine, theirs in zip(ours, fsdp2):
+        assert mine.peak_bytes <= mine.budget_bytes < theirs.peak_bytes
+    assert any(f.startswith("buckets split to") for p in ours for f in p.forced)
 
 
 def test_a_memory_budget_bounds_the_predicted_peak():

@@ -81,7 +81,8 @@ def _finish(
     profile = _profile(gm, opts)
     compute_time, comm_time = estimators(profile)
     ctx = pipeline.Context(opts, side, compute_time, comm_time, workspace=workspace(profile), param_bytes=param_bytes,
-                           late_release=profile.comm_release_late)
+                           late_release=profile.comm_release_late, fsdp2_policy=profile.fsdp2_policy(side),
+                           fsdp2_blocking=profile.fsdp2_blocking)
     pipeline.run(pipeline.PARTITIONED, gm, ctx, dump.write)
     if side == "backward" or inference:
         dump.write_report(_profile(gm, opts))

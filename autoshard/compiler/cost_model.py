@@ -57,6 +57,11 @@ class DeviceProfile:
         frees them on its own thread): the memory models keep them until the next collective
         is issued. Measured on 2 gloo ranks: the same schedule's peak moved by one
         reduce-scatter's buffers (24 MiB of 160) from run to run without it.
+    fsdp2_blocking: whether FSDP2 eager's collectives block their caller here (gloo on CPU:
+        no side streams): its forward then gathers at use, its backward prefetch only gathers
+        early, each reduce-scatter ends before the next bucket, and its buffers are freed
+        when the call returns. Elsewhere (GPUs) it prefetches the next bucket and keeps one
+        reduce-scatter in flight. The default schedule never plans above that peak.
     """
 
     name: str
@@ -72,6 +77,13 @@ class DeviceProfile:
     op_overhead: float = 0.0
     comm_workspace: dict[str, float] = field(default_factory=dict, hash=False)
     comm_release_late: bool = False
+    fsdp2_blocking: bool = False
+
+    def fsdp2_policy(self, side: str) -> tuple[int, int]:
+        """FSDP2 eager's (prefetch distance, reductions in flight) on ``side`` of the step."""
+        if self.fsdp2_blocking:
+            return (0 if side == "forward" else 1), 0
+        return 1, 1
 
     def flops_per_s(self, dtype: torch.dtype) -> float:
         """Peak FLOP/s for ``dtype`` (the float32 figure for unlisted dtypes)."""
@@ -142,6 +154,7 @@ PROFILES: dict[str, DeviceProfile] = {
         comm_overlap=0.64,
         comm_workspace=GLOO_WORKSPACE,
         comm_release_late=True,
+        fsdp2_blocking=True,
     ),
 }
 

@@ -21,10 +21,12 @@ class Options:
         folder; default: the AUTOSHARD_DEBUG_DIR environment variable, if set.
     schedule: "autoshard" (bucket by module structure, prefetch by the cost model, bounded
         memory); for comparisons on identical graphs: "none" (the lowered graph: gather at
-        use, reduce at end), "fsdp2" (FSDP2's policy: the same buckets, always prefetch the next
-        one, one reduce-scatter in flight) or "inductor" (PyTorch's own bucketing and overlap
-        scheduler).
-    bucket_mb: cap on a bucket's size (MiB); default: one bucket per repeated block.
+        use, reduce at end), "fsdp2" (FSDP2 eager's policy on the profile's device, same buckets:
+        on GPUs prefetch the next one with one reduce-scatter in flight; on CPU ranks, where
+        gloo blocks, gather at use in forward, one ahead in backward, each reduction waited
+        at once) or "inductor" (PyTorch's own bucketing and overlap scheduler).
+    bucket_mb: cap on a bucket's size (MiB); default: one bucket per repeated block, split
+        in halves or quarters where that meets the memory budget faster.
     max_inflight_mb: cap on gathered parameters alive at once (MiB), applied before the
         memory budget; default: none.
     memory_budget_gb: per-rank memory (GiB) the schedule must stay within: parameter shards,
@@ -32,8 +34,7 @@ class Options:
         communication buffers and activations, as the step model predicts them. The schedule
         prefetches and keeps reductions in flight only as far as the budget allows; a budget
         too small for any schedule fails the compile naming the smallest that fits. Default:
-        no more than FSDP2's policy (prefetch one bucket, one reduction in flight) needs on
-        the same graph.
+        no more than FSDP2 eager needs on the same graph and device (see "fsdp2").
     optimizer_states: tensors the optimizer keeps per parameter, each the size of its shard
         (2 for Adam and AdamW, 1 for SGD with momentum, 0 for plain SGD), for the budget.
     profile: the cost model's device profile for scheduling decisions: a name ("h100",

@@ -9,12 +9,13 @@ module is imported, so a misordered list fails at once instead of compiling a wr
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence, Union
 
 from torch import fx
 
 from autoshard._compat import save_random_ops_in_checkpoints
+from autoshard.compiler.bucket_plan import choose_bucket_mb
 from autoshard.compiler.consistency import check_ranks_agree
 from autoshard.compiler.options import SCHEDULES
 from autoshard.passes import (
@@ -25,6 +26,7 @@ from autoshard.passes import (
     schedule_overlap,
 )
 from autoshard.passes.graph_utils import is_copy, mib_to_bytes
+from autoshard.passes.schedule import PLAN
 from autoshard.passes.step_model import no_workspace
 
 # What a graph holds, as passes require and provide it.
@@ -51,6 +53,11 @@ class Context:
     comm_time: Callable[..., float] | None = None
     workspace: Callable[[fx.Node], int] | None = None  # a collective's in-flight extra bytes (cost_model.workspace)
     late_release: bool = False  # collectives' buffers may outlive their waits (DeviceProfile.comm_release_late)
+    fsdp2_policy: tuple[int, int] = (1, 1)  # FSDP2 eager on this side and device (DeviceProfile.fsdp2_policy)
+    fsdp2_blocking: bool = False  # DeviceProfile.fsdp2_blocking
+    # Set by the bucketing step for the schedule: the bucket cap it chose and the plan found for it.
+    bucket_mb: float | None = None
+    plan: Any = None
     param_bytes: int = 0  # this rank's parameter shards: with the optimizer state, held outside the graphs
 
 
@@ -83,23 +90,41 @@ class Stage:
 Step = Union[Pass, Stage]
 
 
-FSDP2_POLICY = (1, 1)  # FSDP2 on the same buckets: prefetch the next one, one reduction in flight
-
-
-def _schedule_overlap(gm: fx.GraphModule, ctx: Context) -> None:
+def _schedule(gm: fx.GraphModule, ctx: Context, budget: int | None, plan: Any = None) -> None:
     opts = ctx.options
-    limits = dict(zip(("max_prefetch", "max_reduces_in_flight"), FSDP2_POLICY)) if opts.schedule == "fsdp2" else {}
+    # "fsdp2": FSDP2 eager's policy on the same buckets (it prefetches the next one on GPUs).
+    limits = dict(zip(("max_prefetch", "max_reduces_in_flight"), ctx.fsdp2_policy)) if opts.schedule == "fsdp2" else {}
     # Held outside this graph: optimizer state and, during the backward, the parameter shards
     # (the forward's placeholders already hold them). Gradients are the backward's outputs.
     outside = opts.optimizer_states * ctx.param_bytes + (ctx.param_bytes if ctx.side == "backward" else 0)
-    budget = None if opts.memory_budget_gb is None else int(opts.memory_budget_gb * 2**30)
     schedule_overlap(
         gm, _rank_independent(ctx.compute_time), ctx.comm_time, mib_to_bytes(opts.max_inflight_mb), **limits,
         memory_budget_bytes=budget, outside_bytes=outside, workspace=ctx.workspace or no_workspace,
         # Without a budget, never more memory than FSDP2's policy (nor a slower plan).
-        no_more_than=FSDP2_POLICY if opts.schedule == "autoshard" else None,
-        shards_outside=ctx.side == "backward", late_release=ctx.late_release,
+        no_more_than=ctx.fsdp2_policy if opts.schedule == "autoshard" else None, reference_blocking=ctx.fsdp2_blocking,
+        shards_outside=ctx.side == "backward", late_release=ctx.late_release, plan=plan,
     )
+
+
+def _budget(ctx: Context) -> int | None:
+    gib = ctx.options.memory_budget_gb
+    return None if gib is None else int(gib * 2**30)
+
+
+def _bucket(gm: fx.GraphModule, ctx: Context) -> None:
+    opts = ctx.options
+    ctx.bucket_mb, ctx.plan = opts.bucket_mb, None
+    if opts.schedule == "autoshard" and opts.bucket_mb is None and ctx.compute_time is not None:
+        # The bucket size is the planner's to choose (autoshard.compiler.bucket_plan).
+        ctx.bucket_mb, ctx.plan = choose_bucket_mb(gm, lambda g, b: _schedule(g, ctx, b), _budget(ctx))
+    bucket_collectives(gm, ctx.bucket_mb)
+
+
+def _schedule_overlap(gm: fx.GraphModule, ctx: Context) -> None:
+    _schedule(gm, ctx, _budget(ctx), ctx.plan)
+    if ctx.bucket_mb is not None and ctx.options.bucket_mb is None:  # the planner split the buckets
+        plan = gm.meta[PLAN]
+        gm.meta[PLAN] = replace(plan, forced=(f"buckets split to {ctx.bucket_mb:.3g} MiB at most",) + plan.forced)
 
 
 def _rank_independent(compute_time: Callable[[fx.Node], float]) -> Callable[[fx.Node], float]:
@@ -133,7 +158,7 @@ INFERENCE = "AOT autograd: traced to ATen (inference: no backward)"
 PARTITIONED: tuple[Step, ...] = (
     # A graph compiled without autograd never went through JOINT; idempotent otherwise.
     Pass("lower_annotations", lambda gm, ctx: lower_annotations(gm), "lower", frozenset({ANNOTATIONS}), frozenset({LOWERED})),
-    Pass("bucket_collectives", lambda gm, ctx: bucket_collectives(gm, ctx.options.bucket_mb),
+    Pass("bucket_collectives", _bucket,
          "bucket: per-parameter collectives merged into flat ones", frozenset({LOWERED}), frozenset({BUCKETS}), OURS),
     Stage("{side}_bucketed", schedules=OURS),
     Pass("schedule_overlap", _schedule_overlap, "schedule: prefetch and reorder within the memory budget",

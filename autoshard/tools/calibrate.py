@@ -292,6 +292,7 @@ def fit(measurements: Measurements, name: str = "calibrated") -> DeviceProfile:
         inter=None,
         comm_workspace=dict(GLOO_WORKSPACE),  # calibration runs gloo
         comm_release_late=True,
+        fsdp2_blocking=True,  # gloo: FSDP2 eager's collectives block
         source=(
             f"measured by python -m autoshard calibrate on {socket.gethostname()}, {date.today().isoformat()}, "
             f"torch {torch.__version__}, world sizes {', '.join(map(str, worlds))}, "

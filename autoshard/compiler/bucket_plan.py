@@ -1,0 +1,80 @@
+"""Bucket boundaries as a memory-planning decision.
+
+Without ``bucket_mb`` the autoshard schedule buckets per repeated block, FSDP2's unit. When the
+memory budget (given, or by default FSDP2's peak on this device) makes that plan give up
+prefetching or reductions in flight, smaller buckets can fit the same budget faster: what a
+prefetched bucket holds (its gathered bytes, their copy-in and, on gloo, a workspace as large)
+shrinks with the bucket, for one more collective's latency per split. :func:`choose_bucket_mb`
+schedules the block buckets, and only if the budget forced that plan, halves and quarters of
+the largest bucket, each on a copy of the graph, and keeps the fastest that fits.
+
+Deterministic, from graph structure and the cost model: every rank makes the same choice.
+"""
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Callable
+
+from torch import fx
+
+from autoshard.passes import bucket_collectives
+from autoshard.passes.graph_utils import collective_kind, nbytes
+from autoshard.passes.schedule import PLAN, SchedulePlan
+
+SPLITS = (2, 4)  # candidate buckets: the largest block bucket cut into this many parts
+# schedule(graph, budget_bytes or None for the default) schedules a bucketed graph in place.
+Schedule = Callable[[fx.GraphModule, "int | None"], None]
+
+
+def _bucketed(gm: fx.GraphModule, bucket_mb: float | None) -> fx.GraphModule:
+    with warnings.catch_warnings():  # copying a graph's pytree specs warns of a deprecation inside torch
+        warnings.simplefilter("ignore")
+        trial = fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    return bucket_collectives(trial, bucket_mb)
+
+
+def _trial(gm: fx.GraphModule, bucket_mb: float | None, schedule: Schedule, budget: int | None) -> fx.GraphModule:
+    trial = _bucketed(gm, bucket_mb)
+    schedule(trial, budget)
+    return trial
+
+
+def choose_bucket_mb(gm: fx.GraphModule, schedule: Schedule, budget: int | None) -> tuple[float | None, SchedulePlan]:
+    """(bucket cap in MiB, None for block buckets; the schedule's plan for it) for a lowered
+    graph. ``budget``: the user's, or None for the default (FSDP2's peak on the block
+    buckets: a split must fit that, not the smaller peak FSDP2's policy has on split buckets).
+    ValueError when a user's budget fits no candidate (the one of the smallest buckets); the
+    default always has a plan (block buckets, as close to FSDP2's peak as they come). The
+    plan is the one to schedule the graph bucketed at that cap with (no second search)."""
+    default = budget is None
+    plan: SchedulePlan | None = None
+    try:
+        blocks = _trial(gm, None, schedule, budget)
+    except ValueError:
+        if budget is None:
+            raise
+        blocks = _bucketed(gm, None)
+    else:
+        plan = blocks.meta[PLAN]
+        if not plan.forced:  # the fastest plan fits: nothing to gain from splitting
+            return None, plan
+        budget = plan.reference_bytes if budget is None else budget
+    sizes = [nbytes(n) for n in blocks.graph.nodes if collective_kind(n) == "all_gather"]
+    fits = plan is not None and plan.peak_bytes <= budget
+    best: tuple[float, int, float | None, SchedulePlan] | None = (plan.step_time, plan.peak_bytes, None, plan) if fits else None
+    error = None
+    for parts in SPLITS if sizes else ():
+        mb = max(sizes) / parts / 2**20
+        try:
+            found = _trial(gm, mb, schedule, budget).meta[PLAN]
+        except ValueError as e:
+            error = e
+            continue
+        if best is None or (found.step_time, found.peak_bytes) < best[:2]:
+            best = (found.step_time, found.peak_bytes, mb, found)
+    if best is None:
+        if default or error is None:  # the default: block buckets, as close to FSDP2's peak as they come
+            return None, plan
+        raise error
+    return best[2], best[3]
