@@ -8,7 +8,8 @@ model, the simulator and the report can use it without an import cycle.
 from __future__ import annotations
 
 import heapq
-from typing import Any, Iterable
+from contextlib import contextmanager
+from typing import Any, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -27,12 +28,42 @@ def val(node: Any) -> Any:
     return node.meta["val"] if isinstance(node, fx.Node) else node
 
 
+_on_meta = False  # inside meta_values()
+
+
+@contextmanager
+def meta_values(gm: fx.GraphModule) -> Iterator[None]:
+    """Inside, :func:`call` computes a new node's value on the meta device rather than with
+    fake tensors (about 30x faster): for graphs that are only measured, never compiled (the
+    bucket planner's trial copies). A graph with symbolic shapes keeps fake values."""
+    global _on_meta
+    static = all(_static(v) for n in gm.graph.nodes for v in tensors(n.meta.get("val")))
+    before, _on_meta = _on_meta, static
+    try:
+        yield
+    finally:
+        _on_meta = before
+
+
+def _static(v: torch.Tensor) -> bool:
+    return all(isinstance(s, int) for s in (*v.shape, *v.stride()))
+
+
+def _to_meta(v: Any) -> Any:
+    if isinstance(v, torch.Tensor) and v.device.type != "meta":
+        return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta")
+    return v
+
+
 def call(graph: fx.Graph, target: Any, *args: Any) -> fx.Node:
     """Insert ``target(*args)`` at the graph's insertion point, with its fake value in
     ``meta["val"]`` so the partitioner and Inductor see shapes as for a traced node."""
     node = graph.call_function(target, args)
     # map_arg, not a pytree map: it visits only the nodes (the passes insert thousands of these).
     fake_args = fx.node.map_arg(args, val)
+    if _on_meta:
+        node.meta["val"] = target(*fx.node.map_aggregate(fake_args, _to_meta))
+        return node
     fake = next(v for v in map(val, node.all_input_nodes) if isinstance(v, torch.Tensor)).fake_mode
     with fake:
         node.meta["val"] = target(*fake_args)

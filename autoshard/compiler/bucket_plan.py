@@ -19,7 +19,7 @@ from typing import Callable
 from torch import fx
 
 from autoshard.passes import bucket_collectives
-from autoshard.passes.graph_utils import collective_kind, nbytes
+from autoshard.passes.graph_utils import collective_kind, meta_values, nbytes
 from autoshard.passes.schedule import PLAN, SchedulePlan
 
 SPLITS = (2, 4)  # candidate buckets: the largest block bucket cut into this many parts
@@ -31,7 +31,8 @@ def _bucketed(gm: fx.GraphModule, bucket_mb: float | None) -> fx.GraphModule:
     with warnings.catch_warnings():  # copying a graph's pytree specs warns of a deprecation inside torch
         warnings.simplefilter("ignore")
         trial = fx.GraphModule(gm, copy.deepcopy(gm.graph))
-    return bucket_collectives(trial, bucket_mb)
+    with meta_values(trial):  # a trial is only measured: meta values, not fake ones
+        return bucket_collectives(trial, bucket_mb)
 
 
 def _trial(gm: fx.GraphModule, bucket_mb: float | None, schedule: Schedule, budget: int | None) -> fx.GraphModule:
