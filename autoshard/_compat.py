@@ -23,7 +23,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 from torch._inductor.fx_passes.memory_estimator import MemoryTracker
 from torch._inductor.utils import run_and_get_code
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.distributed.distributed_c10d import _get_default_store as default_store
 from torch.distributed.distributed_c10d import _resolve_process_group as resolve_process_group
 from torch.utils._pytree import tree_leaves, tree_map, tree_map_only
@@ -66,6 +66,7 @@ __all__ = [
     "tree_leaves",
     "tree_map",
     "tree_map_only",
+    "unset_fake_temporarily",
     "wrap_compile_phases",
 ]
 

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import fx
 
-from autoshard._compat import c10d, optimization_hint, resolve_process_group
+from autoshard._compat import c10d, optimization_hint, resolve_process_group, unset_fake_temporarily
 from autoshard.runtime.ops import arguments
 
 # node.meta keys the passes share.
@@ -62,7 +62,8 @@ def call(graph: fx.Graph, target: Any, *args: Any) -> fx.Node:
     # map_arg, not a pytree map: it visits only the nodes (the passes insert thousands of these).
     fake_args = fx.node.map_arg(args, val)
     if _on_meta:
-        node.meta["val"] = target(*fx.node.map_aggregate(fake_args, _to_meta))
+        with unset_fake_temporarily():  # the compile's fake mode would turn meta tensors into fake ones
+            node.meta["val"] = target(*fx.node.map_aggregate(fake_args, _to_meta))
         return node
     fake = next(v for v in map(val, node.all_input_nodes) if isinstance(v, torch.Tensor)).fake_mode
     with fake:

@@ -12,8 +12,6 @@ Deterministic, from graph structure and the cost model: every rank makes the sam
 """
 from __future__ import annotations
 
-import copy
-import warnings
 from typing import Callable
 
 from torch import fx
@@ -27,10 +25,18 @@ SPLITS = (2, 4)  # candidate buckets: the largest block bucket cut into this man
 Schedule = Callable[[fx.GraphModule, "int | None"], None]
 
 
+class _Trial(fx.GraphModule):
+    """A graph that is measured, never run: no Python code is generated for it."""
+
+    def recompile(self) -> None:
+        return None
+
+
 def _bucketed(gm: fx.GraphModule, bucket_mb: float | None) -> fx.GraphModule:
-    with warnings.catch_warnings():  # copying a graph's pytree specs warns of a deprecation inside torch
-        warnings.simplefilter("ignore")
-        trial = fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    # A copy sharing the nodes' values (a deep copy would copy every fake tensor).
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    trial = _Trial(gm, graph)
     with meta_values(trial):  # a trial is only measured: meta values, not fake ones
         return bucket_collectives(trial, bucket_mb)
 
