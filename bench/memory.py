@@ -115,7 +115,8 @@ def svg(rows: list[dict], path: str) -> None:
     for i, (name, pts) in enumerate(sorted(groups.items())):
         top = 20 + 120 * i
         xs, ys = [p[0] for p in pts], [p[1] for p in pts]
-        x0, x1, y0, y1 = min(xs), max(xs) or 1, 0, max(ys) * 1.1
+        # The step axis spans the points (from 0 the curve would be a flat line: budgets move it by a few %).
+        x0, x1, y0, y1 = min(xs), max(xs) or 1, min(ys) * 0.98, max(ys) * 1.02
         def sx(x):
             return m + (x - x0) / ((x1 - x0) or 1) * (w - 2 * m)
         def sy(y):
@@ -124,7 +125,7 @@ def svg(rows: list[dict], path: str) -> None:
         parts.append(f'<line x1="{m}" y1="{top + 90}" x2="{w - m}" y2="{top + 90}" stroke="#888"/>')
         parts.append(f'<line x1="{m}" y1="{top}" x2="{m}" y2="{top + 90}" stroke="#888"/>')
         parts.append(f'<text x="{m - 4}" y="{top + 8}" text-anchor="end">{y1:.3g}</text>')
-        parts.append(f'<text x="{m - 4}" y="{top + 90}" text-anchor="end">0</text>')
+        parts.append(f'<text x="{m - 4}" y="{top + 90}" text-anchor="end">{y0:.3g}</text>')
         parts.append(f'<text x="{m}" y="{top + 104}">{x0:.3g}</text><text x="{w - m}" y="{top + 104}" text-anchor="end">{x1:.3g}</text>')
         poly = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in sorted(pts))
         parts.append(f'<polyline points="{poly}" fill="none" stroke="#1f77b4" stroke-width="2"/>')
