@@ -400,6 +400,24 @@ def test_bucket_plan_splits_buckets_only_when_the_budget_stops_block_buckets_pre
     assert plan.peak_bytes <= budget and plan.step_time < blocks.meta[PLAN].step_time
 
 
+def test_bucket_plan_meets_a_budget_block_buckets_cannot_with_smaller_ones():
+    """A user's budget below the least block buckets need (gathering at use) is met by split
+    buckets, which need less; below what every candidate needs it is the planner's error."""
+    sizes = [nbytes(n) for n in _bucketed("forward").graph.nodes if collective_kind(n) == "all_gather"]
+    comm = _gather_time(2.0, sizes)
+
+    def schedule(gm: fx.GraphModule, budget: int | None) -> None:
+        schedule_overlap(gm, _matmuls_take_one, comm, memory_budget_bytes=budget, no_more_than=(1, 1))
+
+    blocks = _bucketed("forward")
+    schedule(blocks, None)
+    budget = blocks.meta[PLAN].smallest_bytes - 1
+    mb, plan = choose_bucket_mb(stage(Stack, "forward"), schedule, budget)
+    assert mb is not None and plan.peak_bytes <= budget
+    with pytest.raises(ValueError, match="is below what this graph needs"):
+        choose_bucket_mb(stage(Stack, "forward"), schedule, plan.smallest_bytes // 2)
+
+
 # the step model and the memory budget (bucketed forward of Stack) ---------------------------
 
 
