@@ -1,6 +1,7 @@
 """Overlap scheduling: issue collectives early and wait late, within a memory budget."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 from typing import Callable
 
@@ -20,7 +21,8 @@ class SchedulePlan:
 
     distances: per gather bucket (graph order), how many buckets ahead it is issued (0:
         gathered at its first use). reduces_in_flight: reductions of one kind issued before
-        the oldest is waited for (0: each is waited right after its issue). peak_bytes: the graph's live peak plus ``outside_bytes``.
+        the oldest is waited for (0: each is waited right after its issue). peak_bytes: the
+        graph's live peak plus ``outside_bytes``.
     """
 
     distances: tuple[int, ...]
@@ -153,8 +155,8 @@ def schedule_overlap(
     bucket's wait, and its own wait and copy-out sit right before its first use. Each gradient reduction (reduce-scatter,
     all-reduce) is issued right after its last input exists and waited right before the
     reduction of its kind ``r`` buckets later is issued, or at the end (r = 0: right after
-    its own issue); an all-reduce of a
-    reduce-scatter's result (hybrid sharding) is issued right after that reduce-scatter's wait.
+    its own issue); an all-reduce of a reduce-scatter's result (hybrid sharding) is issued
+    right after that reduce-scatter's wait.
 
     The fastest plan takes, per bucket, the smallest d (1..``max_prefetch``) whose compute time
     covers ``collective_time`` of its gather, and r = ``max_reduces_in_flight``. With
@@ -175,7 +177,7 @@ def schedule_overlap(
     ``gm.meta[PLAN]``. Numerics unchanged; deterministic (graph structure, shapes and the cost
     functions).
     """
-    compute_time, collective_time = _cached(compute_time), _cached(collective_time)  # each plan tried re-times every node
+    compute_time, collective_time = functools.cache(compute_time), functools.cache(collective_time)  # each plan re-times every node
     g = _Graph(gm, compute_time)
     if plan is not None:
         gm.meta[PLAN] = plan
@@ -227,16 +229,6 @@ def schedule_overlap(
         plan = evaluate(plan)
     gm.meta[PLAN] = plan
     return reorder(gm, g.priorities(plan))
-
-
-def _cached(time: Callable[[fx.Node], float]) -> Callable[[fx.Node], float]:
-    found: dict[fx.Node, float] = {}
-
-    def timed(node: fx.Node) -> float:
-        if node not in found:
-            found[node] = time(node)
-        return found[node]
-    return timed
 
 
 def _fit(g: _Graph, plan: SchedulePlan, budget: int, evaluate: Callable[[SchedulePlan], SchedulePlan]) -> SchedulePlan:

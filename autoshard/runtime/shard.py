@@ -21,7 +21,7 @@ from __future__ import annotations
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -53,7 +53,7 @@ class ParamSpec:
     # The annotation op and its arguments before and after ``sink``, built once: a parameter
     # use then loads an op and two tuples of constants, which Dynamo traces much faster than
     # ten attributes.
-    op: torch._ops.OpOverload = field(init=False, compare=False, repr=False)
+    op: Callable[..., torch.Tensor] = field(init=False, compare=False, repr=False)
     head: tuple = field(init=False, compare=False, repr=False)
     tail: tuple = field(init=False, compare=False, repr=False)
 
