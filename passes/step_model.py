@@ -7,6 +7,7 @@ together, with the cost model's overlap and slowdown, for reports.
 """
 from __future__ import annotations
 
+import bisect
 import operator
 from typing import Callable, Collection, Sequence
 
@@ -24,13 +25,20 @@ def no_workspace(node: fx.Node) -> int:
 
 def _aliases(node: fx.Node) -> bool:
     # Nodes that return (part of) an existing storage instead of allocating one. A pad counts
-    # as one too, sized as its output: lowering pads a short shard on the ranks that have one
-    # only, and every rank must price the same graph alike (they must reach one plan).
+    # as one too, sized as its output: it pads zero rows where a rank's shard is full and more
+    # where it is short, and every rank must price the graph alike (they must reach one plan).
     return (
         is_view(node, hidden=True)
         or is_wait(node)
         or (node.op == "call_function" and node.target in (operator.getitem, torch.ops.aten.constant_pad_nd.default))
     )
+
+
+def linger(issues: Sequence[int], at: int) -> int:
+    """Where buffers freed at position ``at`` are gone under gloo's late frees: at the next
+    collective issued after ``at`` (``issues``: issue positions, sorted), else at ``at``."""
+    later = bisect.bisect_right(issues, at)
+    return issues[later] if later < len(issues) else at
 
 
 def release_points(order: Sequence[fx.Node], late: bool = False) -> dict[fx.Node, int]:
@@ -45,7 +53,7 @@ def release_points(order: Sequence[fx.Node], late: bool = False) -> dict[fx.Node
         wait = next((u for u in order[i].users if is_wait(u) and u in pos), None)
         at = pos[wait] if wait is not None else len(order)
         if late and wait is not None:
-            at = next((j for j in issues if j > at), at)
+            at = linger(issues, at)
         points[order[i]] = at
     return points
 

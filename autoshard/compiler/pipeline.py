@@ -100,7 +100,7 @@ def _schedule(gm: fx.GraphModule, ctx: Context, budget: int | None, plan: Any = 
     schedule_overlap(
         gm, _rank_independent(ctx.compute_time), ctx.comm_time, mib_to_bytes(opts.max_inflight_mb), **limits,
         memory_budget_bytes=budget, outside_bytes=outside, workspace=ctx.workspace or no_workspace,
-        # Without a budget, never more memory than FSDP2's policy (nor a slower plan).
+        # Without a budget, never more memory than FSDP2 eager on this device; its policy's plan is a candidate.
         no_more_than=ctx.fsdp2_policy if opts.schedule == "autoshard" else None, reference_blocking=ctx.fsdp2_blocking,
         shards_outside=ctx.side == "backward", late_release=ctx.late_release, plan=plan,
     )

@@ -7,12 +7,12 @@ getitem and wait_tensor alias their input; a backward placeholder aliases the sa
 value it receives. Pinned until the end of the step: forward placeholders (owned by the caller:
 parameter shards, the batch), the forward's user outputs and the backward's outputs
 (gradients). A value saved for the backward dies at its last use there: the backend runs graphs
-in the boxed convention, so a compiled backward owns what it takes. A collective whose profile stages its buffer (gloo) also holds a
-workspace from its issue to its wait.
+in the boxed convention, so a compiled backward owns what it takes. A collective whose profile
+stages its buffer (gloo) also holds a workspace from its issue to its wait (to the next issue
+where the profile frees buffers late).
 """
 from __future__ import annotations
 
-import bisect
 import operator
 import re
 from dataclasses import dataclass
@@ -23,6 +23,7 @@ from torch import fx
 
 from autoshard.passes.bucket import block_of
 from autoshard.passes.graph_utils import GATHERED, PARAMS, collective_kind, is_copy, is_view, is_wait, tensor_bytes
+from autoshard.passes.step_model import linger
 
 Order = list[tuple[str, fx.Node]]  # (stage, node) in the order the step runs them
 
@@ -115,8 +116,7 @@ class Liveness:
         issues = [i for i, (_, n) in enumerate(order) if collective_kind(n) is not None]
 
         def release(pos: int) -> int:
-            later = bisect.bisect_right(issues, pos)
-            return issues[later] if late_release and later < len(issues) else pos
+            return linger(issues, pos) if late_release else pos
         saved = set(sources.values())
         for pos, (stage, node) in enumerate(order):
             self._place(node, stage, pos, sources)
