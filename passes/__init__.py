@@ -4,9 +4,10 @@ Installed as ``autoshard.passes``. Their order, stages and schedules are declare
 ``autoshard/compiler/pipeline.py``; in short: on the joint forward+backward graph,
 merge_shared_parameters then lower_annotations; on each
 partitioned graph, bucket_collectives then schedule_overlap (or PyTorch's own scheduler,
-inductor_schedule, as a baseline).
+inductor_schedule, as a baseline), then gathers_into_buffers on gloo groups.
 """
 from .bucket import bucket_collectives, plan_buckets
+from .gather_out import gathers_into_buffers
 from .inductor_schedule import inductor_schedule
 from .lower import lower_annotations
 from .merge_shared import merge_shared_parameters
@@ -14,6 +15,7 @@ from .schedule import schedule_overlap
 
 __all__ = [
     "bucket_collectives",
+    "gathers_into_buffers",
     "inductor_schedule",
     "lower_annotations",
     "merge_shared_parameters",

@@ -111,6 +111,15 @@ def collective_kind(node: fx.Node) -> str | None:
     return _KIND_OF.get(node.target) if node.op == "call_function" else None
 
 
+def out_buffer(node: fx.Node) -> fx.Node | None:
+    """The buffer a collective writes into (its ``out``, which it returns); None for an
+    out-of-place collective or anything else."""
+    if node.op != "call_function" or collective_kind(node) is None:
+        return None
+    out = node.kwargs.get("out")
+    return out if isinstance(out, fx.Node) else None
+
+
 def is_wait(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target is c10d.wait_tensor.default
 
@@ -127,6 +136,17 @@ def group_ranks(group_name: str) -> tuple[int, ...] | None:
         return None
     try:
         return tuple(dist.get_process_group_ranks(resolve_process_group(group_name)))
+    except (RuntimeError, ValueError):
+        return None
+
+
+def group_backend(group_name: str) -> str | None:
+    """The backend (``"gloo"``, ``"nccl"``, ``"fake"`` ...) of the process group called
+    ``group_name``; None where this process does not know it."""
+    if not dist.is_initialized():
+        return None
+    try:
+        return dist.get_backend(resolve_process_group(group_name))
     except (RuntimeError, ValueError):
         return None
 

@@ -14,7 +14,7 @@ from typing import Callable, Collection, Sequence
 import torch
 from torch import fx
 
-from .graph_utils import collective_kind, is_view, is_wait, nbytes
+from .graph_utils import collective_kind, is_view, is_wait, nbytes, out_buffer
 
 Workspace = Callable[[fx.Node], int]  # bytes a collective holds besides its input and output, issue to wait
 
@@ -81,8 +81,8 @@ def peak_bytes(
     end = len(order)
     root: dict[fx.Node, fx.Node] = {}  # node -> the node whose storage it uses
     for n in order:
-        base = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
-        root[n] = root.get(base, base) if _aliases(n) and base is not None else n
+        base = out_buffer(n) or (n.args[0] if n.args and isinstance(n.args[0], fx.Node) and _aliases(n) else None)
+        root[n] = root.get(base, base) if base is not None else n
     release = release_points(order, late_release)
     last: dict[fx.Node, int] = {}
     for n in order:

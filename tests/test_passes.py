@@ -7,6 +7,8 @@ sequence of communication and compute nodes with the one its docstring draws. No
 
     un(p) / rg(p)    autoshard::unshard / reduce_grad annotation of parameter p
     ag / rs (p+q)    all_gather_into_tensor / reduce_scatter_tensor moving p and q
+    ag_out(p)        all_gather_into_tensor_out: the gather of p into a buffer
+    empty            a buffer allocated (aten.empty)
     wait(p+q)        wait_tensor of that collective
     mm  ln  ln_bw  add   matmul (mm, addmm), layer norm forward / backward, add
 
@@ -27,7 +29,7 @@ from torch import fx, nn
 
 from autoshard._compat import c10d, recompute_region
 from autoshard.compiler.bucket_plan import choose_bucket_mb
-from autoshard.passes import bucket_collectives, lower_annotations, merge_shared_parameters, schedule_overlap
+from autoshard.passes import bucket_collectives, gathers_into_buffers, lower_annotations, merge_shared_parameters, schedule_overlap
 from autoshard.passes.graph_utils import PARAMS, collective_kind, is_op, nbytes
 from autoshard.passes.schedule import PLAN
 from autoshard.passes.step_model import peak_bytes, release_points, step_time
@@ -36,8 +38,10 @@ from fake_pg import compile_step
 
 WORLD = 4
 annotations = torch.ops.autoshard
-COLLECTIVES = {c10d.all_gather_into_tensor.default: "ag", c10d.reduce_scatter_tensor.default: "rs"}
-COMPUTE = {"mm": "mm", "addmm": "mm", "native_layer_norm": "ln", "native_layer_norm_backward": "ln_bw", "add": "add"}
+COLLECTIVES = {c10d.all_gather_into_tensor.default: "ag", c10d.all_gather_into_tensor_out.default: "ag_out",
+               c10d.reduce_scatter_tensor.default: "rs"}
+COMPUTE = {"mm": "mm", "addmm": "mm", "native_layer_norm": "ln", "native_layer_norm_backward": "ln_bw", "add": "add",
+           "empty": "empty"}
 
 
 class Stack(nn.Module):
@@ -469,3 +473,26 @@ def test_late_release_keeps_a_collectives_buffers_until_the_next_issue():
         assert on_time[order[a]] < b and late[order[a]] == b  # gathered at use: the wait comes before the next issue
     assert late[order[issues[-1]]] == on_time[order[issues[-1]]]  # nothing is issued after the last
     assert peak_bytes(order, lambda n: 1000, late_release=True)[0] >= peak_bytes(order, lambda n: 1000)[0]
+
+
+def test_gathers_over_gloo_write_into_buffers(drawing):
+    """Each gather becomes one into a fresh buffer of its result's shape, in place; its wait and
+    its uses stay. Groups that do not need it (here: all, with needed=False) keep the op.
+
+    before: ag(0.w+0.b) wait(0.w+0.b) mm ag(1.w+1.b) wait(1.w+1.b) mm
+            ag(2.w+2.b+norm.w+norm.b) wait(2.w+2.b+norm.w+norm.b) mm ln
+    after:  empty ag_out(0.w+0.b) wait(0.w+0.b) mm empty ag_out(1.w+1.b) wait(1.w+1.b) mm
+            empty ag_out(2.w+2.b+norm.w+norm.b) wait(2.w+2.b+norm.w+norm.b) mm ln
+    """
+    forward = _bucketed("forward")
+    assert events(forward) == drawing("before")
+    assert events(gathers_into_buffers(_bucketed("forward"), needed=lambda group: False)) == drawing("before")
+    results = [n.meta["val"].shape for n in _gathers(forward)]
+    gathers_into_buffers(forward, needed=lambda group: True)
+    assert events(forward) == drawing("after")
+    into = forward.graph.find_nodes(op="call_function", target=c10d.all_gather_into_tensor_out.default)
+    assert [n.kwargs["out"].meta["val"].shape for n in into] == [n.meta["val"].shape for n in into] == results
+    assert all(list(n.users) == [next(iter(n.users))] and next(iter(n.users)).target is c10d.wait_tensor.default for n in into)
+    assert events(gathers_into_buffers(forward, needed=lambda group: True)) == drawing("after")  # idempotent
+    peak = peak_bytes([n for n in forward.graph.nodes if n.op != "output"])[0]
+    assert peak == peak_bytes([n for n in _bucketed("forward").graph.nodes if n.op != "output"])[0]  # the buffer is the result

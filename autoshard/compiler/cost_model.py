@@ -215,20 +215,24 @@ def _compute_dtype(node: fx.Node) -> torch.dtype:
     return torch.float32
 
 
+# Ops that only allocate (a buffer a collective writes into): no kernel touches the bytes.
+_ALLOCATIONS = (torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default)
+
+
 def node_time(node: fx.Node, profile: str | DeviceProfile) -> float:
     """Seconds one compute node takes:
     ``op_overhead + launch_overhead + max(flops / peak, bytes / mem_bw)``.
 
     bytes = tensor input bytes + output bytes; peak is for the dtype of the first floating
-    point input. Views and ATen calls producing no tensor (shape arithmetic) launch no kernel
-    and cost only ``op_overhead``. Zero for placeholders, outputs, get_attr, getitem, anything
+    point input. Views, allocations (``empty``) and ATen calls producing no tensor (shape
+    arithmetic) launch no kernel and cost only ``op_overhead``. Zero for placeholders, outputs, get_attr, getitem, anything
     that is not an ATen-style OpOverload, and every ``_c10d_functional`` op (costed by
     :func:`collective_time` instead).
     """
     if node.op != "call_function" or not hasattr(node.target, "overloadpacket") or collective_kind(node) or is_wait(node):
         return 0.0  # getitem, builtins, higher-order ops: no ATen call
     profile = get_profile(profile)
-    if is_view(node, hidden=True) or not tensors(node.meta.get("val")):
+    if is_view(node, hidden=True) or node.target in _ALLOCATIONS or not tensors(node.meta.get("val")):
         return profile.op_overhead
     nbytes = tensor_bytes(node.meta.get("val")) + sum(tensor_bytes(arg.meta.get("val")) for arg in _input_nodes(node))
     flop_time = node_flops(node) / profile.flops_per_s(_compute_dtype(node))

@@ -20,6 +20,7 @@ from autoshard.compiler.consistency import check_ranks_agree
 from autoshard.compiler.options import SCHEDULES
 from autoshard.passes import (
     bucket_collectives,
+    gathers_into_buffers,
     inductor_schedule,
     lower_annotations,
     merge_shared_parameters,
@@ -167,6 +168,9 @@ PARTITIONED: tuple[Step, ...] = (
          frozenset({LOWERED}), frozenset({ORDERED}), ("inductor",)),
     # Every rank must issue the same collectives in the same order: checked last, on the final order.
     Pass("check_ranks_agree", lambda gm, ctx: check_ranks_agree(gm, ctx.side), None, frozenset({LOWERED})),
+    # gloo corrupts its heap with several out-of-place gathers in flight (see passes/gather_out.py).
+    Pass("gathers_into_buffers", lambda gm, ctx: gathers_into_buffers(gm), "gathers over gloo write into buffers (its safe form)",
+         frozenset({LOWERED})),
     Stage("{side}"),
 )
 

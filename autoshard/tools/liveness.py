@@ -22,7 +22,7 @@ import torch
 from torch import fx
 
 from autoshard.passes.bucket import block_of
-from autoshard.passes.graph_utils import GATHERED, PARAMS, collective_kind, is_copy, is_view, is_wait, tensor_bytes
+from autoshard.passes.graph_utils import GATHERED, PARAMS, collective_kind, is_copy, is_view, is_wait, out_buffer, tensor_bytes
 from autoshard.passes.step_model import linger
 
 Order = list[tuple[str, fx.Node]]  # (stage, node) in the order the step runs them
@@ -142,6 +142,8 @@ class Liveness:
         base_storages = self.of.get(base, [])
         if node in sources:
             self.of[node] = self.of[sources[node]]
+        elif out_buffer(node) in self.of:  # a collective into a buffer returns the buffer
+            self.of[node] = self.of[out_buffer(node)]
         elif node.op == "call_function" and node.target is operator.getitem and len(base_storages) > node.args[1]:
             self.of[node] = [base_storages[node.args[1]]]
         elif (is_view(node, hidden=True) or is_wait(node)) and base_storages:

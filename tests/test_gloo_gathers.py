@@ -1,0 +1,34 @@
+"""Over gloo, every gather the backend compiles writes into a buffer: gloo's out-of-place gather
+corrupts the heap with several in flight (passes/gather_out.py; bench/gloo_gathers.py shows it).
+The numerics tests train through these graphs: the results stay exact."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import autoshard
+from autoshard.tools.launch import run_ranks
+
+from models import batch, build
+
+
+def _final_stages(folder: str) -> dict[str, str]:
+    """Compile the test GPT on this rank with a debug_dir, train one step, return the final
+    forward and backward graphs' source."""
+    torch._dynamo.reset()
+    model = build("gpt")
+    autoshard.shard(model)
+    compiled = torch.compile(model, backend="autoshard", options={"compiler": "aot_eager", "debug_dir": folder})
+    x, y = batch("gpt", 0)
+    compiled(x, y).backward()
+    (graphs,) = (Path(folder) / f"rank{dist.get_rank()}").iterdir()
+    return {side: (graphs / f"{side}.py").read_text() for side in ("forward", "backward")}
+
+
+def test_compiled_graphs_on_gloo_gather_into_buffers(tmp_path):
+    for stages in run_ranks(2, _final_stages, str(tmp_path)):
+        for side, source in stages.items():
+            assert "all_gather_into_tensor_out" in source, side
+            assert "all_gather_into_tensor.default(" not in source, side  # no out-of-place gather is left
