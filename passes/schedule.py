@@ -10,7 +10,7 @@ from torch import fx
 from autoshard._compat import c10d
 
 from .graph_utils import GATHERED, collectives, exclusive_inputs, issue_inputs, nbytes, ordered, outputs_of, positions, reorder, wait_of
-from .step_model import Workspace, no_workspace, peak_bytes, step_time
+from .step_model import Workspace, never, no_workspace, peak_bytes, step_time
 
 PLAN = "autoshard_schedule"  # gm.meta key: the chosen SchedulePlan, for explain and the report
 
@@ -146,6 +146,7 @@ def schedule_overlap(
     reference_blocking: bool = False,
     shards_outside: bool = False,
     late_release: bool = False,
+    input_copied: Callable[[fx.Node], bool] = never,
     plan: SchedulePlan | None = None,
 ) -> fx.GraphModule:
     """Reorder a bucketed forward or backward graph so communication hides behind compute.
@@ -164,7 +165,7 @@ def schedule_overlap(
     if d = 0 does not).
 
     With ``memory_budget_bytes``, the graph's live peak (:func:`step_model.peak_bytes` with
-    ``workspace`` and ``late_release``; with ``shards_outside``, for a backward, the shards the
+    ``workspace``, ``late_release`` and ``input_copied``; with ``shards_outside``, for a backward, the shards the
     gathers read count as held outside and the other inputs die at their last use) plus
     ``outside_bytes`` must fit: one step at a time, the distance of a bucket prefetched across
     the peak, or r, drops by one (the step that lowers the peak most first, then the fastest);
@@ -194,7 +195,8 @@ def schedule_overlap(
     def evaluate(plan: SchedulePlan, late: bool = late_release) -> SchedulePlan:
         priority = g.priorities(plan)
         order = ordered(g.graph, priority)
-        peak, at = peak_bytes(order, workspace, pin_inputs=not shards_outside, held_outside=shards, late_release=late)
+        peak, at = peak_bytes(order, workspace, pin_inputs=not shards_outside, held_outside=shards, late_release=late,
+                              input_copied=input_copied)
         return replace(plan, peak_bytes=peak + outside_bytes, step_time=step_time(order, compute_time, collective_time),
                        peak_at=priority[order[at]] if order else 0.0)
 

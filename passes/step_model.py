@@ -23,6 +23,17 @@ def no_workspace(node: fx.Node) -> int:
     return 0
 
 
+def never(node: fx.Node) -> bool:
+    return False
+
+
+def reads_input_until_wait(collective: fx.Node, input_copied: Callable[[fx.Node], bool] = never) -> bool:
+    """Whether ``collective`` still reads its input after the issue. Not a functional
+    all-reduce (it reduces a clone made at the issue), nor a collective whose backend copies
+    its input (``input_copied``: gloo's reduce-scatter)."""
+    return collective_kind(collective) != "all_reduce" and not input_copied(collective)
+
+
 def _aliases(node: fx.Node) -> bool:
     # Nodes that return (part of) an existing storage instead of allocating one. A pad counts
     # as one too, sized as its output: it pads zero rows where a rank's shard is full and more
@@ -64,12 +75,14 @@ def peak_bytes(
     pin_inputs: bool = True,
     held_outside: Collection[fx.Node] = (),
     late_release: bool = False,
+    input_copied: Callable[[fx.Node], bool] = never,
 ) -> tuple[int, int]:
     """(peak live bytes, position of the peak) of the graph run in ``order``.
 
     A storage is allocated when its node runs and freed after the last use of it or of any
     alias (views, getitem, waits alias their input); a collective's input also lives until
-    its wait (the comm stream reads it) and its ``workspace`` from issue to wait. Graph
+    its wait (the comm stream reads it) unless :func:`reads_input_until_wait` says it is done
+    with it at the issue, and its ``workspace`` from issue to wait. Graph
     outputs live to the end. ``pin_inputs``: placeholders live to the end too, as a forward's
     do (they belong to the caller: parameter shards, the batch); a backward's (saved
     activations, tangents) are freed after their last use (False), since the backend runs
@@ -89,7 +102,7 @@ def peak_bytes(
         for a in n.all_input_nodes:
             r = root.get(a, a)
             last[r] = max(last.get(r, -1), pos[n])
-        if n in release:
+        if n in release and reads_input_until_wait(n, input_copied):
             for a in n.all_input_nodes:  # the collective's input, read until the wait (or later)
                 r = root.get(a, a)
                 last[r] = max(last.get(r, -1), release[n])

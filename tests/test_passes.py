@@ -439,6 +439,21 @@ def test_step_model_times_an_order_and_counts_workspace_until_the_wait():
     assert step_time([n for n in forward.graph.nodes if n.op != "output"], _matmuls_take_one, lambda n: 0.5) == 3.5
 
 
+def test_a_collective_whose_backend_copies_its_input_frees_it_at_the_issue():
+    """gloo reduces a clone of a reduce-scatter's input (its workspace): with input_copied the
+    input is not held until the wait, so reductions kept in flight cost less; the clone still
+    counts. Without a workspace, the peak can only drop by the inputs' bytes."""
+    backward = _bucketed("backward")
+    schedule_overlap(backward, _matmuls_take_one, lambda n: 1.5)  # reductions in flight
+    order = [n for n in backward.graph.nodes if n.op != "output"]
+    copied = lambda n: collective_kind(n) == "reduce_scatter"  # noqa: E731
+    inputs = sum(nbytes(n.args[0]) for n in order if copied(n))
+    held, _ = peak_bytes(order, lambda n: nbytes(n.args[0]) if copied(n) else 0)
+    freed, _ = peak_bytes(order, lambda n: nbytes(n.args[0]) if copied(n) else 0, input_copied=copied)
+    assert held - inputs <= freed < held
+    assert peak_bytes(order, input_copied=lambda n: False) == peak_bytes(order)
+
+
 def test_schedule_fits_a_memory_budget_and_names_the_smallest_that_fits():
     """Gathers want 2 blocks ahead (time 1.5). A budget between the peak of gathering at use
     and the peak of that plan prefetches less and fits; one below gathering at use fails,

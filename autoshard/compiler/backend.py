@@ -27,7 +27,7 @@ from autoshard._compat import (
 )
 from autoshard.compiler import pipeline
 from autoshard.compiler.consistency import reports_compile_failure
-from autoshard.compiler.cost_model import DeviceProfile, estimators, get_profile, workspace
+from autoshard.compiler.cost_model import DeviceProfile, estimators, get_profile, input_copied, workspace
 from autoshard.compiler.dump import GraphDump
 from autoshard.compiler.options import Options, parse_options
 
@@ -81,7 +81,8 @@ def _finish(
     profile = _profile(gm, opts)
     compute_time, comm_time = estimators(profile)
     ctx = pipeline.Context(opts, side, compute_time, comm_time, workspace=workspace(profile), param_bytes=param_bytes,
-                           late_release=profile.comm_release_late, fsdp2_policy=profile.fsdp2_policy(side),
+                           late_release=profile.comm_release_late, input_copied=input_copied(profile),
+                           fsdp2_policy=profile.fsdp2_policy(side),
                            fsdp2_blocking=profile.fsdp2_blocking)
     pipeline.run(pipeline.PARTITIONED, gm, ctx, dump.write)
     if side == "backward" or inference:

@@ -53,6 +53,11 @@ class DeviceProfile:
     comm_workspace: per collective kind, the bytes it allocates besides its input and output
         while in flight (issue to wait), as a fraction of its full buffer; none where absent.
         gloo stages a whole all-gather output and reduce-scatter input (:data:`GLOO_WORKSPACE`).
+    comm_input_copied: collective kinds whose backend copies the input when the collective is
+        issued and works on the copy (gloo's reduce-scatter reduces a clone, its workspace): the
+        input is free from the issue on. Measured on 2 gloo ranks: a 16 MiB reduce-scatter
+        input dropped after the issue is freed at once. Elsewhere (NCCL) the collective reads
+        its input until it ends.
     comm_release_late: whether a collective's input and workspace may outlive its wait (gloo
         frees them on its own thread): the memory models keep them until the next collective
         is issued. Measured on 2 gloo ranks: the same schedule's peak moved by one
@@ -76,6 +81,7 @@ class DeviceProfile:
     comm_overlap: float = 1.0
     op_overhead: float = 0.0
     comm_workspace: dict[str, float] = field(default_factory=dict, hash=False)
+    comm_input_copied: tuple[str, ...] = ()
     comm_release_late: bool = False
     fsdp2_blocking: bool = False
 
@@ -96,7 +102,7 @@ class DeviceProfile:
     def from_json(text: str) -> DeviceProfile:
         data = json.loads(text)
         links = {k: Link(**data[k]) if data.get(k) else None for k in ("intra", "inter")}
-        return DeviceProfile(**{**data, **links})
+        return DeviceProfile(**{**data, **links, "comm_input_copied": tuple(data.get("comm_input_copied", ()))})
 
 
 def uniform_link(name: str, latency: float, bandwidth: float) -> Link:
@@ -118,6 +124,7 @@ def _dgx(name: str, bf16: float, tf32: float, hbm: float, nvlink: Link, infiniba
 # full buffer for as long as they run (torch.profiler memory events, 2 CPU ranks, a 16 MiB
 # buffer: 16 MiB each; all_reduce works in place).
 GLOO_WORKSPACE = {"all_gather": 1.0, "reduce_scatter": 1.0}
+GLOO_INPUT_COPIED = ("reduce_scatter",)  # the staged copy above is a clone of the input
 
 PROFILES: dict[str, DeviceProfile] = {
     # NVIDIA H100 SXM5 datasheet: BF16/FP16 989 TFLOP/s, TF32 495 TFLOP/s, HBM3 3.35 TB/s.
@@ -153,6 +160,7 @@ PROFILES: dict[str, DeviceProfile] = {
         source="measured by python -m autoshard calibrate on the 2-core development VM, 2026-11-29, torch 2.13.0+cpu",
         comm_overlap=0.64,
         comm_workspace=GLOO_WORKSPACE,
+        comm_input_copied=GLOO_INPUT_COPIED,
         comm_release_late=True,
         fsdp2_blocking=True,
     ),
@@ -334,3 +342,10 @@ def workspace(profile: str | DeviceProfile) -> Callable[[fx.Node], int]:
         return 0 if c is None else int(profile.comm_workspace.get(c.kind, 0.0) * c.nbytes)
 
     return workspace_bytes
+
+
+def input_copied(profile: str | DeviceProfile) -> Callable[[fx.Node], bool]:
+    """``copied(node)``: whether a collective node's backend copies its input at the issue on
+    ``profile`` (:attr:`DeviceProfile.comm_input_copied`), so the input is free from then on."""
+    kinds = get_profile(profile).comm_input_copied
+    return lambda node: collective_kind(node) in kinds

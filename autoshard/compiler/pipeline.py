@@ -28,7 +28,7 @@ from autoshard.passes import (
 )
 from autoshard.passes.graph_utils import is_copy, mib_to_bytes
 from autoshard.passes.schedule import PLAN
-from autoshard.passes.step_model import no_workspace
+from autoshard.passes.step_model import never, no_workspace
 
 # What a graph holds, as passes require and provide it.
 ANNOTATIONS = "annotation ops"  # every graph starts with them (Dynamo captured the property reads)
@@ -54,6 +54,7 @@ class Context:
     comm_time: Callable[..., float] | None = None
     workspace: Callable[[fx.Node], int] | None = None  # a collective's in-flight extra bytes (cost_model.workspace)
     late_release: bool = False  # collectives' buffers may outlive their waits (DeviceProfile.comm_release_late)
+    input_copied: Callable[[fx.Node], bool] | None = None  # cost_model.input_copied: inputs free at the issue
     fsdp2_policy: tuple[int, int] = (1, 1)  # FSDP2 eager on this side and device (DeviceProfile.fsdp2_policy)
     fsdp2_blocking: bool = False  # DeviceProfile.fsdp2_blocking
     # Set by the bucketing step for the schedule: the bucket cap it chose and the plan found for it.
@@ -103,7 +104,7 @@ def _schedule(gm: fx.GraphModule, ctx: Context, budget: int | None, plan: Any = 
         memory_budget_bytes=budget, outside_bytes=outside, workspace=ctx.workspace or no_workspace,
         # Without a budget, never more memory than FSDP2 eager on this device; its policy's plan is a candidate.
         no_more_than=ctx.fsdp2_policy if opts.schedule == "autoshard" else None, reference_blocking=ctx.fsdp2_blocking,
-        shards_outside=ctx.side == "backward", late_release=ctx.late_release, plan=plan,
+        shards_outside=ctx.side == "backward", late_release=ctx.late_release, input_copied=ctx.input_copied or never, plan=plan,
     )
 
 

@@ -41,7 +41,7 @@ import torch.distributed as dist
 from tabulate import tabulate
 
 from autoshard._compat import all_gather_single, c10d
-from autoshard.compiler.cost_model import COLLECTIVE_KINDS, GLOO_WORKSPACE, DeviceProfile, Link, collective_time
+from autoshard.compiler.cost_model import COLLECTIVE_KINDS, GLOO_INPUT_COPIED, GLOO_WORKSPACE, DeviceProfile, Link, collective_time
 from autoshard.tools.launch import run_ranks
 
 DEFAULT_SIZES = tuple(4096 * 4**i for i in range(7))  # 4 KiB .. 16 MiB
@@ -291,6 +291,7 @@ def fit(measurements: Measurements, name: str = "calibrated") -> DeviceProfile:
         intra=Link("gloo-loopback", latency, bandwidth),
         inter=None,
         comm_workspace=dict(GLOO_WORKSPACE),  # calibration runs gloo
+        comm_input_copied=GLOO_INPUT_COPIED,
         comm_release_late=True,
         fsdp2_blocking=True,  # gloo: FSDP2 eager's collectives block
         source=(

@@ -23,7 +23,7 @@ from torch import fx
 
 from autoshard.passes.bucket import block_of
 from autoshard.passes.graph_utils import GATHERED, PARAMS, collective_kind, is_copy, is_view, is_wait, out_buffer, tensor_bytes
-from autoshard.passes.step_model import linger
+from autoshard.passes.step_model import linger, never, reads_input_until_wait
 
 Order = list[tuple[str, fx.Node]]  # (stage, node) in the order the step runs them
 
@@ -106,6 +106,7 @@ class Liveness:
         sources: dict[fx.Node, fx.Node],
         workspace: Callable[[fx.Node], int] | None = None,
         late_release: bool = False,
+        input_copied: Callable[[fx.Node], bool] = never,
     ) -> None:
         self.end = len(order)
         self.storages: list[Storage] = []
@@ -127,7 +128,8 @@ class Liveness:
             if is_wait(node):
                 # The comm stream reads the collective's inputs until it ends, i.e. until the wait.
                 collective = issuer(node.args[0], sources)
-                self._use(collective.all_input_nodes, release(pos))
+                if reads_input_until_wait(collective, input_copied):
+                    self._use(collective.all_input_nodes, release(pos))
                 if collective in self.workspaces:
                     self.storages[self.workspaces[collective]].last_use = release(pos)
             if node.op == "placeholder" and stage == "forward":

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from torch import fx
 
-from autoshard.compiler.cost_model import DeviceProfile, collective_of, collective_time, get_profile, node_time, workspace
+from autoshard.compiler.cost_model import DeviceProfile, collective_of, collective_time, get_profile, input_copied, node_time, workspace
 from autoshard.passes.graph_utils import COLLECTIVE_KINDS, PARAMS, is_wait
 from autoshard.tools.liveness import CATEGORIES, Liveness, MemoryPeak, Order, categorize, issuer, peak_of, saved_sources
 
@@ -159,7 +159,7 @@ def _memory(order: Order, sources: dict[fx.Node, fx.Node], starts: list[float], 
     is alive there, the gathered peak, and the lower bound of :class:`StepAnalysis`.
     Gathered storages: all-gather outputs and the storage of any node tagged
     ``meta[GATHERED]`` (bucket copy-outs)."""
-    live = Liveness(order, sources, workspace(profile), profile.comm_release_late)
+    live = Liveness(order, sources, workspace(profile), profile.comm_release_late, input_copied(profile))
     categorize(live, order, sources)
     total, gathered = live.curve(), live.curve(gathered=True)
     by_category = {c: live.curve(c) for c in CATEGORIES}
