@@ -1,4 +1,4 @@
-"""Why autoshard gathers into buffers over gloo (passes/gather_out.py): a stress test of both forms.
+"""Why autoshard gathers into buffers over gloo (passes/gloo.py): a stress test of both forms.
 
 Two gloo ranks issue N all-gathers of fresh tensors before waiting on any, R rounds, with
 allocations in between, once per form, each in fresh processes:

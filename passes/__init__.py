@@ -7,7 +7,7 @@ partitioned graph, bucket_collectives then schedule_overlap (or PyTorch's own sc
 inductor_schedule, as a baseline), then gathers_into_buffers on gloo groups.
 """
 from .bucket import bucket_collectives, plan_buckets
-from .gather_out import gathers_into_buffers
+from .gloo import free_collective_buffers, gathers_into_buffers
 from .inductor_schedule import inductor_schedule
 from .lower import lower_annotations
 from .merge_shared import merge_shared_parameters
@@ -15,6 +15,7 @@ from .schedule import schedule_overlap
 
 __all__ = [
     "bucket_collectives",
+    "free_collective_buffers",
     "gathers_into_buffers",
     "inductor_schedule",
     "lower_annotations",

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, replace
-from typing import Callable
+from typing import Callable, Collection
 
 from torch import fx
 
@@ -145,7 +145,7 @@ def schedule_overlap(
     no_more_than: tuple[int, int] | None = None,
     reference_blocking: bool = False,
     shards_outside: bool = False,
-    late_release: bool = False,
+    late_release: Collection[str] = (),
     input_copied: Callable[[fx.Node], bool] = never,
     plan: SchedulePlan | None = None,
 ) -> fx.GraphModule:
@@ -192,7 +192,7 @@ def schedule_overlap(
     if shards_outside:
         shards = {a for x in g.gathers for n in x.issue for a in n.all_input_nodes if a.op == "placeholder"}
 
-    def evaluate(plan: SchedulePlan, late: bool = late_release) -> SchedulePlan:
+    def evaluate(plan: SchedulePlan, late: Collection[str] = late_release) -> SchedulePlan:
         priority = g.priorities(plan)
         order = ordered(g.graph, priority)
         peak, at = peak_bytes(order, workspace, pin_inputs=not shards_outside, held_outside=shards, late_release=late,
@@ -208,7 +208,7 @@ def schedule_overlap(
         policy = SchedulePlan(tuple(min(d, x) for x in fast), min(r, max_reduces_in_flight))
         reference = evaluate(policy)
         # Blocking collectives are done, their buffers freed, when the call returns.
-        reference_bytes = evaluate(policy, late=False).peak_bytes if reference_blocking else reference.peak_bytes
+        reference_bytes = evaluate(policy, late=()).peak_bytes if reference_blocking else reference.peak_bytes
         budget = reference_bytes if budget is None else budget
     if budget is not None:
         # Plans the greedy search may miss: gathering at use, and the reference policy (the

@@ -52,18 +52,18 @@ def linger(issues: Sequence[int], at: int) -> int:
     return issues[later] if later < len(issues) else at
 
 
-def release_points(order: Sequence[fx.Node], late: bool = False) -> dict[fx.Node, int]:
+def release_points(order: Sequence[fx.Node], late: Collection[str] = ()) -> dict[fx.Node, int]:
     """Collective -> the position up to which its input and workspace stay allocated: its
-    wait, or with ``late`` the next collective issued after it (gloo drops a finished
-    operation's buffers on its own thread, which may be after the wait has returned; the
-    next issue is as long as this model lets them linger)."""
+    wait, or for the collective kinds in ``late`` the next collective issued after it (gloo
+    drops a finished reduction's copy of its input on its own thread, which may be after the
+    wait has returned; the next issue is as long as this model lets it linger)."""
     pos = {n: i for i, n in enumerate(order)}
     issues = [i for i, n in enumerate(order) if collective_kind(n) is not None]
     points = {}
     for i in issues:
         wait = next((u for u in order[i].users if is_wait(u) and u in pos), None)
         at = pos[wait] if wait is not None else len(order)
-        if late and wait is not None:
+        if collective_kind(order[i]) in late and wait is not None:
             at = linger(issues, at)
         points[order[i]] = at
     return points
@@ -74,7 +74,7 @@ def peak_bytes(
     workspace: Workspace = no_workspace,
     pin_inputs: bool = True,
     held_outside: Collection[fx.Node] = (),
-    late_release: bool = False,
+    late_release: Collection[str] = (),
     input_copied: Callable[[fx.Node], bool] = never,
 ) -> tuple[int, int]:
     """(peak live bytes, position of the peak) of the graph run in ``order``.
@@ -88,7 +88,7 @@ def peak_bytes(
     activations, tangents) are freed after their last use (False), since the backend runs
     graphs in the boxed convention, which hands the inputs over (``_compat.boxed``). ``held_outside``: placeholders the
     caller counts itself (a backward's parameter shards), here 0 bytes. ``late_release``:
-    collectives' inputs and workspaces last until :func:`release_points` says.
+    the kinds of collective whose inputs and workspaces last until :func:`release_points` says.
     """
     pos = {n: i for i, n in enumerate(order)}
     end = len(order)

@@ -1,5 +1,6 @@
-"""Over gloo, every gather the backend compiles writes into a buffer: gloo's out-of-place gather
-corrupts the heap with several in flight (passes/gather_out.py; bench/gloo_gathers.py shows it).
+"""Over gloo, every gather the backend compiles writes into a buffer (gloo's out-of-place gather
+corrupts the heap with several in flight: passes/gloo.py; bench/gloo_gathers.py shows it), and
+the graph frees its gather buffers itself.
 The numerics tests train through these graphs: the results stay exact."""
 from __future__ import annotations
 
@@ -32,3 +33,4 @@ def test_compiled_graphs_on_gloo_gather_into_buffers(tmp_path):
         for side, source in stages.items():
             assert "all_gather_into_tensor_out" in source, side
             assert "all_gather_into_tensor.default(" not in source, side  # no out-of-place gather is left
+            assert "resize_storage_bytes_" in source, side  # the graph frees the gather buffers itself

@@ -8,7 +8,7 @@ sequence of communication and compute nodes with the one its docstring draws. No
     un(p) / rg(p)    autoshard::unshard / reduce_grad annotation of parameter p
     ag / rs (p+q)    all_gather_into_tensor / reduce_scatter_tensor moving p and q
     ag_out(p)        all_gather_into_tensor_out: the gather of p into a buffer
-    empty            a buffer allocated (aten.empty)
+    empty / free     a buffer allocated (aten.empty) / its storage freed (resize_storage_bytes_ to 0)
     wait(p+q)        wait_tensor of that collective
     mm  ln  ln_bw  add   matmul (mm, addmm), layer norm forward / backward, add
 
@@ -29,7 +29,14 @@ from torch import fx, nn
 
 from autoshard._compat import c10d, recompute_region
 from autoshard.compiler.bucket_plan import choose_bucket_mb
-from autoshard.passes import bucket_collectives, gathers_into_buffers, lower_annotations, merge_shared_parameters, schedule_overlap
+from autoshard.passes import (
+    bucket_collectives,
+    free_collective_buffers,
+    gathers_into_buffers,
+    lower_annotations,
+    merge_shared_parameters,
+    schedule_overlap,
+)
 from autoshard.passes.graph_utils import PARAMS, collective_kind, is_op, nbytes
 from autoshard.passes.schedule import PLAN
 from autoshard.passes.step_model import peak_bytes, release_points, step_time
@@ -41,7 +48,7 @@ annotations = torch.ops.autoshard
 COLLECTIVES = {c10d.all_gather_into_tensor.default: "ag", c10d.all_gather_into_tensor_out.default: "ag_out",
                c10d.reduce_scatter_tensor.default: "rs"}
 COMPUTE = {"mm": "mm", "addmm": "mm", "native_layer_norm": "ln", "native_layer_norm_backward": "ln_bw", "add": "add",
-           "empty": "empty"}
+           "empty": "empty", "resize_storage_bytes_": "free"}
 
 
 class Stack(nn.Module):
@@ -483,11 +490,12 @@ def test_late_release_keeps_a_collectives_buffers_until_the_next_issue():
     forward = _bucketed("forward")
     order = [n for n in forward.graph.nodes if n.op != "output"]
     issues = [i for i, n in enumerate(order) if n.target is c10d.all_gather_into_tensor.default]
-    on_time, late = release_points(order), release_points(order, late=True)
+    on_time, late = release_points(order), release_points(order, late=("all_gather",))
     for a, b in zip(issues, issues[1:]):
         assert on_time[order[a]] < b and late[order[a]] == b  # gathered at use: the wait comes before the next issue
     assert late[order[issues[-1]]] == on_time[order[issues[-1]]]  # nothing is issued after the last
-    assert peak_bytes(order, lambda n: 1000, late_release=True)[0] >= peak_bytes(order, lambda n: 1000)[0]
+    assert peak_bytes(order, lambda n: 1000, late_release=("all_gather",))[0] >= peak_bytes(order, lambda n: 1000)[0]
+    assert release_points(order, late=("reduce_scatter",)) == on_time  # only the kinds named linger
 
 
 def test_gathers_over_gloo_write_into_buffers(drawing):
@@ -511,3 +519,31 @@ def test_gathers_over_gloo_write_into_buffers(drawing):
     assert events(gathers_into_buffers(forward, needed=lambda group: True)) == drawing("after")  # idempotent
     peak = peak_bytes([n for n in forward.graph.nodes if n.op != "output"])[0]
     assert peak == peak_bytes([n for n in _bucketed("forward").graph.nodes if n.op != "output"])[0]  # the buffer is the result
+
+
+def test_the_graph_frees_its_gather_buffers_after_their_last_use(drawing):
+    """After each gather's wait and copy-outs, its input (the cat of shards) and its buffer
+    are freed by the graph; the shards (placeholders) never are.
+
+    before: empty ag_out(0.w+0.b) wait(0.w+0.b) mm empty ag_out(1.w+1.b) wait(1.w+1.b) mm
+            empty ag_out(2.w+2.b+norm.w+norm.b) wait(2.w+2.b+norm.w+norm.b) mm ln
+    after:  empty ag_out(0.w+0.b) wait(0.w+0.b) free free mm empty ag_out(1.w+1.b) wait(1.w+1.b) free free mm
+            empty ag_out(2.w+2.b+norm.w+norm.b) wait(2.w+2.b+norm.w+norm.b) free mm free ln
+
+    (The last bucket's buffer goes after the norm's copy-out, which waits for the norm's use.)
+    """
+    forward = gathers_into_buffers(_bucketed("forward"), needed=lambda group: True)
+    assert events(forward) == drawing("before")
+    free_collective_buffers(forward, needed=lambda group: True)
+    assert events(forward) == drawing("after")
+    order = {n: i for i, n in enumerate(forward.graph.nodes)}
+    frees = forward.graph.find_nodes(op="call_function", target=torch.ops.inductor.resize_storage_bytes_.default)
+    freed = {n.args[0] for n in frees}
+    into = forward.graph.find_nodes(op="call_function", target=c10d.all_gather_into_tensor_out.default)
+    assert freed == {n.kwargs["out"] for n in into} | {n.args[0] for n in into}
+    assert not any(n.op == "placeholder" for n in freed)
+    for free in frees:  # after every use of what it frees, through its views too
+        uses = [u for n in forward.graph.nodes if n is free.args[0] or (n.args and n.args[0] is free.args[0])
+                for u in n.users if u is not free]
+        assert all(order[u] < order[free] for u in uses)
+    assert peak_bytes([n for n in forward.graph.nodes if n.op != "output"])[0] > 0

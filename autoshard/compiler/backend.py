@@ -80,8 +80,11 @@ def _finish(
     backward graph, writing its stages (and the report once the graph's last stage is done)."""
     profile = _profile(gm, opts)
     compute_time, comm_time = estimators(profile)
+    late = profile.comm_release_late
+    if late and opts.compiler == "inductor":  # its graphs leave gloo's gather buffers to gloo (passes/gloo.py)
+        late += ("all_gather",)
     ctx = pipeline.Context(opts, side, compute_time, comm_time, workspace=workspace(profile), param_bytes=param_bytes,
-                           late_release=profile.comm_release_late, input_copied=input_copied(profile),
+                           late_release=late, input_copied=input_copied(profile),
                            fsdp2_policy=profile.fsdp2_policy(side),
                            fsdp2_blocking=profile.fsdp2_blocking)
     pipeline.run(pipeline.PARTITIONED, gm, ctx, dump.write)

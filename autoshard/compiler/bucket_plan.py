@@ -6,7 +6,8 @@ prefetching or reductions in flight, smaller buckets can fit the same budget fas
 prefetched bucket holds (its gathered bytes, their copy-in and, on gloo, a workspace as large)
 shrinks with the bucket, for one more collective's latency per split. :func:`choose_bucket_mb`
 schedules the block buckets, and only if the budget forced that plan, halves and quarters of
-the largest bucket, each on a copy of the graph, and keeps the fastest that fits.
+the largest bucket, each on a copy of the graph, and keeps the fastest that fits (of those
+within 1% of it, the one that holds least).
 
 Deterministic, from graph structure and the cost model: every rank makes the same choice.
 """
@@ -21,6 +22,7 @@ from autoshard.passes.graph_utils import collective_kind, meta_values, nbytes
 from autoshard.passes.schedule import PLAN, SchedulePlan
 
 SPLITS = (2, 4)  # candidate buckets: the largest block bucket cut into this many parts
+TIES = 0.01  # step times within 1% of the fastest count as equal: the smallest peak among them wins
 # schedule(graph, budget_bytes or None for the default) schedules a bucketed graph in place.
 Schedule = Callable[[fx.GraphModule, "int | None"], None]
 
@@ -68,20 +70,19 @@ def choose_bucket_mb(gm: fx.GraphModule, schedule: Schedule, budget: int | None)
             return None, plan
         budget = plan.reference_bytes if budget is None else budget
     sizes = [nbytes(n) for n in blocks.graph.nodes if collective_kind(n) == "all_gather"]
-    fits = plan is not None and plan.peak_bytes <= budget
-    best: tuple[float, int, float | None, SchedulePlan] | None = (plan.step_time, plan.peak_bytes, None, plan) if fits else None
+    fitting: list[tuple[float | None, SchedulePlan]] = [(None, plan)] if plan is not None and plan.peak_bytes <= budget else []
     error = None
     for parts in SPLITS if sizes else ():
         mb = max(sizes) / parts / 2**20
         try:
-            found = _trial(gm, mb, schedule, budget).meta[PLAN]
+            fitting.append((mb, _trial(gm, mb, schedule, budget).meta[PLAN]))
         except ValueError as e:
             error = e
-            continue
-        if best is None or (found.step_time, found.peak_bytes) < best[:2]:
-            best = (found.step_time, found.peak_bytes, mb, found)
-    if best is None:
+    if not fitting:
         if default or error is None:  # the default: block buckets, as close to FSDP2's peak as they come
             return None, plan
         raise error
-    return best[2], best[3]
+    # The fastest, unless one within TIES of its time holds less: a cost model this coarse
+    # cannot tell them apart, and memory is why people shard.
+    fastest = min(p.step_time for _, p in fitting)
+    return min(((mb, p) for mb, p in fitting if p.step_time <= fastest * (1 + TIES)), key=lambda c: (c[1].peak_bytes, c[1].step_time))

@@ -58,10 +58,12 @@ class DeviceProfile:
         input is free from the issue on. Measured on 2 gloo ranks: a 16 MiB reduce-scatter
         input dropped after the issue is freed at once. Elsewhere (NCCL) the collective reads
         its input until it ends.
-    comm_release_late: whether a collective's input and workspace may outlive its wait (gloo
-        frees them on its own thread): the memory models keep them until the next collective
-        is issued. Measured on 2 gloo ranks: the same schedule's peak moved by one
-        reduce-scatter's buffers (24 MiB of 160) from run to run without it.
+    comm_release_late: the collective kinds whose input copy and workspace may outlive the wait
+        (gloo frees a reduction's copy of its input on its own thread): the memory models keep
+        them until the next collective is issued. Gathers are not among them on gloo: the
+        graphs free their buffers themselves (passes/gloo.py); measured on 2 gloo ranks, one
+        plan's peak then repeats to the byte (146.1 MiB three times, where it had moved from
+        146 to 194 MiB).
     fsdp2_blocking: whether FSDP2 eager's collectives block their caller here (gloo on CPU:
         no side streams): its forward then gathers at use, its backward prefetch only gathers
         early, each reduce-scatter ends before the next bucket, and its buffers are freed
@@ -82,7 +84,7 @@ class DeviceProfile:
     op_overhead: float = 0.0
     comm_workspace: dict[str, float] = field(default_factory=dict, hash=False)
     comm_input_copied: tuple[str, ...] = ()
-    comm_release_late: bool = False
+    comm_release_late: tuple[str, ...] = ()
     fsdp2_blocking: bool = False
 
     def fsdp2_policy(self, side: str) -> tuple[int, int]:
@@ -102,7 +104,10 @@ class DeviceProfile:
     def from_json(text: str) -> DeviceProfile:
         data = json.loads(text)
         links = {k: Link(**data[k]) if data.get(k) else None for k in ("intra", "inter")}
-        return DeviceProfile(**{**data, **links, "comm_input_copied": tuple(data.get("comm_input_copied", ()))})
+        late = data.get("comm_release_late", ())
+        late = GLOO_RELEASE_LATE if late is True else () if late is False else tuple(late)  # older files: a bool
+        return DeviceProfile(**{**data, **links, "comm_input_copied": tuple(data.get("comm_input_copied", ())),
+                                "comm_release_late": late})
 
 
 def uniform_link(name: str, latency: float, bandwidth: float) -> Link:
@@ -125,6 +130,7 @@ def _dgx(name: str, bf16: float, tf32: float, hbm: float, nvlink: Link, infiniba
 # buffer: 16 MiB each; all_reduce works in place).
 GLOO_WORKSPACE = {"all_gather": 1.0, "reduce_scatter": 1.0}
 GLOO_INPUT_COPIED = ("reduce_scatter",)  # the staged copy above is a clone of the input
+GLOO_RELEASE_LATE = ("reduce_scatter",)  # ... which gloo's thread frees
 
 PROFILES: dict[str, DeviceProfile] = {
     # NVIDIA H100 SXM5 datasheet: BF16/FP16 989 TFLOP/s, TF32 495 TFLOP/s, HBM3 3.35 TB/s.
@@ -161,7 +167,7 @@ PROFILES: dict[str, DeviceProfile] = {
         comm_overlap=0.64,
         comm_workspace=GLOO_WORKSPACE,
         comm_input_copied=GLOO_INPUT_COPIED,
-        comm_release_late=True,
+        comm_release_late=GLOO_RELEASE_LATE,
         fsdp2_blocking=True,
     ),
 }

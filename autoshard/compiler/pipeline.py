@@ -20,6 +20,7 @@ from autoshard.compiler.consistency import check_ranks_agree
 from autoshard.compiler.options import SCHEDULES
 from autoshard.passes import (
     bucket_collectives,
+    free_collective_buffers,
     gathers_into_buffers,
     inductor_schedule,
     lower_annotations,
@@ -53,7 +54,7 @@ class Context:
     compute_time: Callable[[fx.Node], float] | None = None
     comm_time: Callable[..., float] | None = None
     workspace: Callable[[fx.Node], int] | None = None  # a collective's in-flight extra bytes (cost_model.workspace)
-    late_release: bool = False  # collectives' buffers may outlive their waits (DeviceProfile.comm_release_late)
+    late_release: tuple[str, ...] = ()  # kinds whose buffers may outlive their waits (DeviceProfile.comm_release_late)
     input_copied: Callable[[fx.Node], bool] | None = None  # cost_model.input_copied: inputs free at the issue
     fsdp2_policy: tuple[int, int] = (1, 1)  # FSDP2 eager on this side and device (DeviceProfile.fsdp2_policy)
     fsdp2_blocking: bool = False  # DeviceProfile.fsdp2_blocking
@@ -135,6 +136,12 @@ def _rank_independent(compute_time: Callable[[fx.Node], float]) -> Callable[[fx.
     return lambda n: 0.0 if is_copy(n) else compute_time(n)
 
 
+def _gloo_gathers(gm: fx.GraphModule, ctx: Context) -> None:
+    gathers_into_buffers(gm)
+    if ctx.options.compiler != "inductor":  # Inductor plans (and reuses) its own buffers
+        free_collective_buffers(gm)
+
+
 def _inductor_schedule(gm: fx.GraphModule, ctx: Context) -> None:
     inductor_schedule(gm, _rank_independent(ctx.compute_time), ctx.comm_time)
 
@@ -169,8 +176,9 @@ PARTITIONED: tuple[Step, ...] = (
          frozenset({LOWERED}), frozenset({ORDERED}), ("inductor",)),
     # Every rank must issue the same collectives in the same order: checked last, on the final order.
     Pass("check_ranks_agree", lambda gm, ctx: check_ranks_agree(gm, ctx.side), None, frozenset({LOWERED})),
-    # gloo corrupts its heap with several out-of-place gathers in flight (see passes/gather_out.py).
-    Pass("gathers_into_buffers", lambda gm, ctx: gathers_into_buffers(gm), "gathers over gloo write into buffers (its safe form)",
+    # gloo corrupts its heap with several out-of-place gathers in flight, and frees what it
+    # holds when it likes (see passes/gloo.py).
+    Pass("gloo_gathers", _gloo_gathers, "over gloo, gathers write into buffers the graph frees after their last use",
          frozenset({LOWERED})),
     Stage("{side}"),
 )

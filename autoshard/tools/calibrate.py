@@ -41,7 +41,15 @@ import torch.distributed as dist
 from tabulate import tabulate
 
 from autoshard._compat import all_gather_single, c10d
-from autoshard.compiler.cost_model import COLLECTIVE_KINDS, GLOO_INPUT_COPIED, GLOO_WORKSPACE, DeviceProfile, Link, collective_time
+from autoshard.compiler.cost_model import (
+    COLLECTIVE_KINDS,
+    GLOO_INPUT_COPIED,
+    GLOO_RELEASE_LATE,
+    GLOO_WORKSPACE,
+    DeviceProfile,
+    Link,
+    collective_time,
+)
 from autoshard.tools.launch import run_ranks
 
 DEFAULT_SIZES = tuple(4096 * 4**i for i in range(7))  # 4 KiB .. 16 MiB
@@ -292,7 +300,7 @@ def fit(measurements: Measurements, name: str = "calibrated") -> DeviceProfile:
         inter=None,
         comm_workspace=dict(GLOO_WORKSPACE),  # calibration runs gloo
         comm_input_copied=GLOO_INPUT_COPIED,
-        comm_release_late=True,
+        comm_release_late=GLOO_RELEASE_LATE,
         fsdp2_blocking=True,  # gloo: FSDP2 eager's collectives block
         source=(
             f"measured by python -m autoshard calibrate on {socket.gethostname()}, {date.today().isoformat()}, "

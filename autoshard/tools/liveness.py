@@ -16,7 +16,7 @@ from __future__ import annotations
 import operator
 import re
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Collection
 
 import torch
 from torch import fx
@@ -105,7 +105,7 @@ class Liveness:
         order: Order,
         sources: dict[fx.Node, fx.Node],
         workspace: Callable[[fx.Node], int] | None = None,
-        late_release: bool = False,
+        late_release: Collection[str] = (),
         input_copied: Callable[[fx.Node], bool] = never,
     ) -> None:
         self.end = len(order)
@@ -113,11 +113,11 @@ class Liveness:
         self.of: dict[fx.Node, list[int]] = {}
         self.workspaces: dict[fx.Node, int] = {}  # collective -> its workspace storage
         self.reads_gathered: list[set[int]] = [set() for _ in range(self.end + 1)]
-        # With late_release (gloo), a collective's input and workspace last until the next issue.
+        # For the kinds in late_release (gloo), a collective's input and workspace last until the next issue.
         issues = [i for i, (_, n) in enumerate(order) if collective_kind(n) is not None]
 
-        def release(pos: int) -> int:
-            return linger(issues, pos) if late_release else pos
+        def release(pos: int, collective: fx.Node) -> int:
+            return linger(issues, pos) if collective_kind(collective) in late_release else pos
         saved = set(sources.values())
         for pos, (stage, node) in enumerate(order):
             self._place(node, stage, pos, sources)
@@ -129,9 +129,9 @@ class Liveness:
                 # The comm stream reads the collective's inputs until it ends, i.e. until the wait.
                 collective = issuer(node.args[0], sources)
                 if reads_input_until_wait(collective, input_copied):
-                    self._use(collective.all_input_nodes, release(pos))
+                    self._use(collective.all_input_nodes, release(pos, collective))
                 if collective in self.workspaces:
-                    self.storages[self.workspaces[collective]].last_use = release(pos)
+                    self.storages[self.workspaces[collective]].last_use = release(pos, collective)
             if node.op == "placeholder" and stage == "forward":
                 self._use([node], self.end)
             elif node.op == "output":  # user outputs and gradients; saved values die in backward
