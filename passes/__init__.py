@@ -7,7 +7,7 @@ partitioned graph, bucket_collectives then schedule_overlap (or PyTorch's own sc
 inductor_schedule, as a baseline), then gathers_into_buffers on gloo groups.
 """
 from .bucket import bucket_collectives, plan_buckets
-from .gloo import free_collective_buffers, gathers_into_buffers
+from .gloo import free_collective_buffers, gathers_into_buffers, reductions_in_place
 from .inductor_schedule import inductor_schedule
 from .lower import lower_annotations
 from .merge_shared import merge_shared_parameters
@@ -21,5 +21,6 @@ __all__ = [
     "lower_annotations",
     "merge_shared_parameters",
     "plan_buckets",
+    "reductions_in_place",
     "schedule_overlap",
 ]

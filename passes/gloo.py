@@ -9,7 +9,18 @@ from torch import fx
 
 from autoshard._compat import c10d
 
-from .graph_utils import arg, collective_kind, collectives, group_backend, is_view, is_wait, out_buffer, val, wait_of
+from .graph_utils import (
+    arg,
+    collective_kind,
+    collectives,
+    group_backend,
+    group_rank,
+    is_view,
+    is_wait,
+    out_buffer,
+    val,
+    wait_of,
+)
 
 aten = torch.ops.aten
 resize_storage_bytes_ = torch.ops.inductor.resize_storage_bytes_.default
@@ -62,6 +73,62 @@ def gathers_into_buffers(gm: fx.GraphModule, needed: Callable[[str], bool] = on_
     return gm
 
 
+# gloo runs a reduce-scatter as an all-reduce of a clone of the input, then copies this rank's
+# chunk out; the clone is its to free, on its own thread. The graph can do the same on the
+# input itself, which it then frees: the same reduction of the same bytes, no clone.
+
+
+def _only_for(root: dict[fx.Node, fx.Node], flat: fx.Node, reduce: fx.Node) -> bool:
+    # flat's storage was allocated here and nothing but its own views and this reduction uses it.
+    base = root[flat]
+    aliases = {n for n, r in root.items() if r is base}
+    return base.target in _ALLOCATES and all(u in aliases or u is reduce for n in aliases for u in n.users)
+
+
+def reductions_in_place(
+    gm: fx.GraphModule, needed: Callable[[str], bool] = on_gloo, rank_of: Callable[[str], int] = group_rank
+) -> fx.GraphModule:
+    """Run each reduce-scatter over a ``needed`` group as gloo does, on the graph's own buffer.
+
+    Guarantees: ``reduce_scatter_tensor(flat, op, n, group)`` -> ``wait`` becomes
+    ``all_reduce_(flat, op, group)`` -> ``wait`` -> ``narrow`` to this rank's chunk ->
+    ``clone``, which replaces the old wait's uses: the same values (gloo's reduce-scatter is
+    this all-reduce and chunk copy), at the same places. Only where the input is a buffer the
+    graph allocated for this reduction alone (a bucket's concatenated gradients): nothing else
+    reads it. Other reductions are untouched. The graph becomes rank-specific (the chunk's
+    offset, ``rank_of(group)`` chunks in): run it after the ranks' plans are compared.
+
+        before:  cat -> reduce_scatter(cat) -> wait -> slices
+        after:   cat -> all_reduce_(cat) -> wait -> narrow -> clone -> slices
+    """
+    graph = gm.graph
+    root = _storage_roots(graph)
+    changed = False
+    for reduce in collectives(graph, c10d.reduce_scatter_tensor.default):
+        flat, group = arg(reduce, "input"), arg(reduce, "group_name")
+        if not needed(group) or not _only_for(root, flat, reduce):
+            continue
+        wait, chunk = wait_of(reduce), val(reduce)
+        rows = chunk.shape[0]
+        with graph.inserting_before(reduce):
+            inplace = graph.call_function(c10d.all_reduce_.default, (flat, arg(reduce, "reduce_op"), group))
+        inplace.meta.update(reduce.meta, val=val(flat))
+        wait.replace_input_with(reduce, inplace)
+        wait.meta["val"] = val(flat)
+        with graph.inserting_after(wait):
+            mine = graph.call_function(aten.narrow.default, (wait, 0, rank_of(group) * rows, rows))
+        with graph.inserting_after(mine):
+            own = graph.call_function(aten.clone.default, (mine,))
+        mine.meta["val"] = own.meta["val"] = chunk
+        wait.replace_all_uses_with(own, delete_user_cb=lambda user: user is not mine)
+        graph.erase_node(reduce)
+        changed = True
+    if changed:
+        graph.lint()
+        gm.recompile()
+    return gm
+
+
 # gloo's worker thread holds a collective's tensors (a gather's input, the views of its output)
 # until it drops the finished operation, sometimes well after the wait has returned: then
 # freeing them is its business, and the process's peak moved by tens of MiB from run to run
@@ -98,12 +165,12 @@ def _storage_roots(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
 
 
 def free_collective_buffers(gm: fx.GraphModule, needed: Callable[[str], bool] = on_gloo) -> fx.GraphModule:
-    """Free each storage an all-gather over a ``needed`` group reads or writes, and the graph
-    allocated, right after its last use.
+    """Free each storage an all-gather or an in-place all-reduce over a ``needed`` group reads
+    or writes, and the graph allocated, right after its last use.
 
     Guarantees: for every such storage (allocated by a node of this graph, no alias of it
     returned by the graph), a ``resize_storage_bytes_(buffer, 0)`` follows the last node that
-    uses it through any alias, and the wait of every gather that uses it: the bytes are
+    uses it through any alias, and the wait of every such collective that uses it: the bytes are
     gone there, whoever still holds the tensor. Placeholders (parameter shards, saved values)
     and outputs are never freed. Order and numerics are unchanged. For graphs run op by op
     (aot_eager): Inductor plans and reuses its own buffers.
@@ -123,9 +190,11 @@ def free_collective_buffers(gm: fx.GraphModule, needed: Callable[[str], bool] = 
                 last[r] = n
     freed: dict[fx.Node, fx.Node] = {}
     for collective in graph.nodes:
-        # Only gathers: gloo reduces a clone of a reduce-scatter's or all-reduce's input, so
-        # the graph already frees that input at the issue.
-        if collective.op != "call_function" or collective_kind(collective) != "all_gather":
+        # Gathers and in-place reductions: gloo holds their tensors. It reduces a clone of an
+        # out-of-place reduction's input, which the graph already frees at the issue.
+        if collective.op != "call_function" or not (
+            collective_kind(collective) == "all_gather" or collective.target is c10d.all_reduce_.default
+        ):
             continue
         if not needed(arg(collective, "group_name")):
             continue

@@ -101,6 +101,7 @@ _KIND_OF = {
     c10d.reduce_scatter_tensor.default: "reduce_scatter",
     c10d.reduce_scatter_tensor_coalesced.default: "reduce_scatter",
     c10d.all_reduce.default: "all_reduce",
+    c10d.all_reduce_.default: "all_reduce",  # in place: what passes/gloo.py runs reduce-scatters as
     c10d.all_reduce_coalesced.default: "all_reduce",
 }
 
@@ -112,11 +113,11 @@ def collective_kind(node: fx.Node) -> str | None:
 
 
 def out_buffer(node: fx.Node) -> fx.Node | None:
-    """The buffer a collective writes into (its ``out``, which it returns); None for an
-    out-of-place collective or anything else."""
+    """The buffer a collective writes into and returns (its ``out``; its input for an in-place
+    all-reduce); None for an out-of-place collective or anything else."""
     if node.op != "call_function" or collective_kind(node) is None:
         return None
-    out = node.kwargs.get("out")
+    out = node.args[0] if node.target is c10d.all_reduce_.default else node.kwargs.get("out")
     return out if isinstance(out, fx.Node) else None
 
 
@@ -138,6 +139,11 @@ def group_ranks(group_name: str) -> tuple[int, ...] | None:
         return tuple(dist.get_process_group_ranks(resolve_process_group(group_name)))
     except (RuntimeError, ValueError):
         return None
+
+
+def group_rank(group_name: str) -> int:
+    """This process's rank in the process group called ``group_name``."""
+    return dist.get_rank(resolve_process_group(group_name))
 
 
 def group_backend(group_name: str) -> str | None:

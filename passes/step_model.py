@@ -14,6 +14,8 @@ from typing import Callable, Collection, Sequence
 import torch
 from torch import fx
 
+from autoshard._compat import c10d
+
 from .graph_utils import collective_kind, is_view, is_wait, nbytes, out_buffer
 
 Workspace = Callable[[fx.Node], int]  # bytes a collective holds besides its input and output, issue to wait
@@ -28,10 +30,10 @@ def never(node: fx.Node) -> bool:
 
 
 def reads_input_until_wait(collective: fx.Node, input_copied: Callable[[fx.Node], bool] = never) -> bool:
-    """Whether ``collective`` still reads its input after the issue. Not a functional
+    """Whether ``collective`` still reads its input after the issue. Not an out-of-place
     all-reduce (it reduces a clone made at the issue), nor a collective whose backend copies
     its input (``input_copied``: gloo's reduce-scatter)."""
-    return collective_kind(collective) != "all_reduce" and not input_copied(collective)
+    return collective.target is not c10d.all_reduce.default and not input_copied(collective)
 
 
 def _aliases(node: fx.Node) -> bool:

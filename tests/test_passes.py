@@ -8,6 +8,7 @@ sequence of communication and compute nodes with the one its docstring draws. No
     un(p) / rg(p)    autoshard::unshard / reduce_grad annotation of parameter p
     ag / rs (p+q)    all_gather_into_tensor / reduce_scatter_tensor moving p and q
     ag_out(p)        all_gather_into_tensor_out: the gather of p into a buffer
+    ar_(p)           all_reduce_: p's gradients reduced in place
     empty / free     a buffer allocated (aten.empty) / its storage freed (resize_storage_bytes_ to 0)
     wait(p+q)        wait_tensor of that collective
     mm  ln  ln_bw  add   matmul (mm, addmm), layer norm forward / backward, add
@@ -35,6 +36,7 @@ from autoshard.passes import (
     gathers_into_buffers,
     lower_annotations,
     merge_shared_parameters,
+    reductions_in_place,
     schedule_overlap,
 )
 from autoshard.passes.graph_utils import PARAMS, collective_kind, is_op, nbytes
@@ -46,7 +48,7 @@ from fake_pg import compile_step
 WORLD = 4
 annotations = torch.ops.autoshard
 COLLECTIVES = {c10d.all_gather_into_tensor.default: "ag", c10d.all_gather_into_tensor_out.default: "ag_out",
-               c10d.reduce_scatter_tensor.default: "rs"}
+               c10d.reduce_scatter_tensor.default: "rs", c10d.all_reduce_.default: "ar_"}
 COMPUTE = {"mm": "mm", "addmm": "mm", "native_layer_norm": "ln", "native_layer_norm_backward": "ln_bw", "add": "add",
            "empty": "empty", "resize_storage_bytes_": "free"}
 
@@ -547,3 +549,35 @@ def test_the_graph_frees_its_gather_buffers_after_their_last_use(drawing):
                 for u in n.users if u is not free]
         assert all(order[u] < order[free] for u in uses)
     assert peak_bytes([n for n in forward.graph.nodes if n.op != "output"])[0] > 0
+
+
+def test_reduce_scatters_over_gloo_reduce_in_place_and_keep_this_ranks_chunk(drawing):
+    """As gloo runs a reduce-scatter (an all-reduce of a clone, then this rank's chunk), on the
+    bucket itself: each wait is followed by a narrow to the rank's rows and a clone, which
+    takes the old result's place; the graph then frees the bucket.
+
+    before: rs(norm.b+norm.w+2.b+2.w) rs(1.b+1.w) wait(norm.b+norm.w+2.b+2.w) rs(0.b+0.w) wait(1.b+1.w) wait(0.b+0.w)
+    after:  ar_(norm.b+norm.w+2.b+2.w) ar_(1.b+1.w) wait(norm.b+norm.w+2.b+2.w) ar_(0.b+0.w) wait(1.b+1.w)
+            wait(0.b+0.w)
+    """
+    backward = _bucketed("backward")
+    schedule_overlap(backward, _matmuls_take_one, lambda n: 1.5)
+    def comm(gm: fx.GraphModule) -> list[str]:  # the reductions and their waits
+        reduces = (c10d.reduce_scatter_tensor.default, c10d.all_reduce_.default)
+        return [label(n) for n in gm.graph.nodes
+                if n.target in reduces or (n.target is c10d.wait_tensor.default and n.args[0].target in reduces)]
+
+    assert comm(backward) == drawing("before")
+    results = {n.meta[PARAMS]: n.meta["val"].shape for n in backward.graph.nodes if collective_kind(n) == "reduce_scatter"}
+    reductions_in_place(backward, needed=lambda group: True, rank_of=lambda group: 1)
+    assert comm(backward) == drawing("after")
+    for inplace in backward.graph.find_nodes(op="call_function", target=c10d.all_reduce_.default):
+        (wait,) = inplace.users
+        narrow = next(u for u in wait.users if u.target is torch.ops.aten.narrow.default)
+        rows = results[inplace.meta[PARAMS]][0]
+        assert narrow.args[1:] == (0, rows, rows)  # rank 1's rows
+        (clone,) = narrow.users
+        assert set(wait.users) == {narrow} and clone.meta["val"].shape == results[inplace.meta[PARAMS]]
+    free_collective_buffers(backward, needed=lambda group: True)
+    freed = {n.args[0] for n in backward.graph.find_nodes(op="call_function", target=torch.ops.inductor.resize_storage_bytes_.default)}
+    assert all(n.args[0].args[0] in freed for n in backward.graph.find_nodes(op="call_function", target=c10d.all_reduce_.default))

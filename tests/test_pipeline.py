@@ -60,7 +60,7 @@ def test_the_report_describes_each_step_from_the_declaration():
     expected = "partition, then bucket: per-parameter collectives merged into flat ones"
     assert pipeline.what_happened("lowered", "backward_bucketed") == expected
     assert pipeline.what_happened("forward_bucketed", "forward") == (
-        "schedule: prefetch and reorder within the memory budget, then over gloo, gathers write into buffers the graph frees "
-        "after their last use"
+        "schedule: prefetch and reorder within the memory budget, then over gloo, gathers write into buffers, reduce-scatters "
+        "reduce in place, and the graph frees their buffers after their last use"
     )
     assert pipeline.what_happened("captured", "forward").startswith("AOT autograd: traced to ATen (inference: no backward), then lower")

@@ -27,7 +27,7 @@ from autoshard._compat import (
 )
 from autoshard.compiler import pipeline
 from autoshard.compiler.consistency import reports_compile_failure
-from autoshard.compiler.cost_model import DeviceProfile, estimators, get_profile, input_copied, workspace
+from autoshard.compiler.cost_model import GLOO_RELEASE_LATE, DeviceProfile, estimators, get_profile, input_copied, workspace
 from autoshard.compiler.dump import GraphDump
 from autoshard.compiler.options import Options, parse_options
 
@@ -81,8 +81,8 @@ def _finish(
     profile = _profile(gm, opts)
     compute_time, comm_time = estimators(profile)
     late = profile.comm_release_late
-    if late and opts.compiler == "inductor":  # its graphs leave gloo's gather buffers to gloo (passes/gloo.py)
-        late += ("all_gather",)
+    if opts.compiler == "inductor" and profile.comm_input_copied:  # gloo's (its copies), and Inductor's graphs
+        late += GLOO_RELEASE_LATE  # leave its buffers to it (passes/gloo.py)
     ctx = pipeline.Context(opts, side, compute_time, comm_time, workspace=workspace(profile), param_bytes=param_bytes,
                            late_release=late, input_copied=input_copied(profile),
                            fsdp2_policy=profile.fsdp2_policy(side),

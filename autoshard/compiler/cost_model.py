@@ -58,12 +58,13 @@ class DeviceProfile:
         input is free from the issue on. Measured on 2 gloo ranks: a 16 MiB reduce-scatter
         input dropped after the issue is freed at once. Elsewhere (NCCL) the collective reads
         its input until it ends.
-    comm_release_late: the collective kinds whose input copy and workspace may outlive the wait
-        (gloo frees a reduction's copy of its input on its own thread): the memory models keep
-        them until the next collective is issued. Gathers are not among them on gloo: the
-        graphs free their buffers themselves (passes/gloo.py); measured on 2 gloo ranks, one
-        plan's peak then repeats to the byte (146.1 MiB three times, where it had moved from
-        146 to 194 MiB).
+    comm_release_late: the collective kinds whose buffers may outlive the wait: the memory
+        models keep them until the next collective is issued. None on the ``cpu`` profile: gloo
+        frees what it holds on its own thread, sometimes well after the wait, but graphs run op
+        by op free their collectives' buffers themselves (passes/gloo.py); measured on 2 gloo
+        ranks, one plan's peak then repeats (146.1 MiB three times, where it had moved from 146
+        to 194 MiB). Inductor's graphs leave them to gloo: the backend then counts
+        :data:`GLOO_RELEASE_LATE`.
     fsdp2_blocking: whether FSDP2 eager's collectives block their caller here (gloo on CPU:
         no side streams): its forward then gathers at use, its backward prefetch only gathers
         early, each reduce-scatter ends before the next bucket, and its buffers are freed
@@ -105,7 +106,7 @@ class DeviceProfile:
         data = json.loads(text)
         links = {k: Link(**data[k]) if data.get(k) else None for k in ("intra", "inter")}
         late = data.get("comm_release_late", ())
-        late = GLOO_RELEASE_LATE if late is True else () if late is False else tuple(late)  # older files: a bool
+        late = tuple(late) if isinstance(late, (list, tuple)) else ()  # older files: a bool, for what graphs now free
         return DeviceProfile(**{**data, **links, "comm_input_copied": tuple(data.get("comm_input_copied", ())),
                                 "comm_release_late": late})
 
@@ -130,7 +131,7 @@ def _dgx(name: str, bf16: float, tf32: float, hbm: float, nvlink: Link, infiniba
 # buffer: 16 MiB each; all_reduce works in place).
 GLOO_WORKSPACE = {"all_gather": 1.0, "reduce_scatter": 1.0}
 GLOO_INPUT_COPIED = ("reduce_scatter",)  # the staged copy above is a clone of the input
-GLOO_RELEASE_LATE = ("reduce_scatter",)  # ... which gloo's thread frees
+GLOO_RELEASE_LATE = ("all_gather", "reduce_scatter")  # what gloo's thread frees when it gets round to it
 
 PROFILES: dict[str, DeviceProfile] = {
     # NVIDIA H100 SXM5 datasheet: BF16/FP16 989 TFLOP/s, TF32 495 TFLOP/s, HBM3 3.35 TB/s.
@@ -167,7 +168,6 @@ PROFILES: dict[str, DeviceProfile] = {
         comm_overlap=0.64,
         comm_workspace=GLOO_WORKSPACE,
         comm_input_copied=GLOO_INPUT_COPIED,
-        comm_release_late=GLOO_RELEASE_LATE,
         fsdp2_blocking=True,
     ),
 }

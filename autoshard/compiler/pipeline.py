@@ -25,6 +25,7 @@ from autoshard.passes import (
     inductor_schedule,
     lower_annotations,
     merge_shared_parameters,
+    reductions_in_place,
     schedule_overlap,
 )
 from autoshard.passes.graph_utils import is_copy, mib_to_bytes
@@ -136,9 +137,10 @@ def _rank_independent(compute_time: Callable[[fx.Node], float]) -> Callable[[fx.
     return lambda n: 0.0 if is_copy(n) else compute_time(n)
 
 
-def _gloo_gathers(gm: fx.GraphModule, ctx: Context) -> None:
+def _gloo(gm: fx.GraphModule, ctx: Context) -> None:
     gathers_into_buffers(gm)
     if ctx.options.compiler != "inductor":  # Inductor plans (and reuses) its own buffers
+        reductions_in_place(gm)
         free_collective_buffers(gm)
 
 
@@ -178,8 +180,8 @@ PARTITIONED: tuple[Step, ...] = (
     Pass("check_ranks_agree", lambda gm, ctx: check_ranks_agree(gm, ctx.side), None, frozenset({LOWERED})),
     # gloo corrupts its heap with several out-of-place gathers in flight, and frees what it
     # holds when it likes (see passes/gloo.py).
-    Pass("gloo_gathers", _gloo_gathers, "over gloo, gathers write into buffers the graph frees after their last use",
-         frozenset({LOWERED})),
+    Pass("gloo", _gloo, "over gloo, gathers write into buffers, reduce-scatters reduce in place, and the graph frees "
+         "their buffers after their last use", frozenset({LOWERED})),
     Stage("{side}"),
 )
 

@@ -44,7 +44,6 @@ from autoshard._compat import all_gather_single, c10d
 from autoshard.compiler.cost_model import (
     COLLECTIVE_KINDS,
     GLOO_INPUT_COPIED,
-    GLOO_RELEASE_LATE,
     GLOO_WORKSPACE,
     DeviceProfile,
     Link,
@@ -300,7 +299,6 @@ def fit(measurements: Measurements, name: str = "calibrated") -> DeviceProfile:
         inter=None,
         comm_workspace=dict(GLOO_WORKSPACE),  # calibration runs gloo
         comm_input_copied=GLOO_INPUT_COPIED,
-        comm_release_late=GLOO_RELEASE_LATE,
         fsdp2_blocking=True,  # gloo: FSDP2 eager's collectives block
         source=(
             f"measured by python -m autoshard calibrate on {socket.gethostname()}, {date.today().isoformat()}, "
