@@ -34,6 +34,13 @@ resize_storage_bytes_ = torch.ops.inductor.resize_storage_bytes_.default
 # it too. Other backends keep the out-of-place op, which they run without this.
 
 
+def _recompiled(gm: fx.GraphModule, changed: bool) -> fx.GraphModule:
+    if changed:  # an unchanged graph keeps its code: no lint, no recompile
+        gm.graph.lint()
+        gm.recompile()
+    return gm
+
+
 def on_gloo(group_name: str) -> bool:
     return group_backend(group_name) == "gloo"
 
@@ -67,10 +74,7 @@ def gathers_into_buffers(gm: fx.GraphModule, needed: Callable[[str], bool] = on_
         gather.replace_all_uses_with(into)
         graph.erase_node(gather)
         changed = True
-    if changed:
-        graph.lint()
-        gm.recompile()
-    return gm
+    return _recompiled(gm, changed)
 
 
 # gloo runs a reduce-scatter as an all-reduce of a clone of the input, then copies this rank's
@@ -123,10 +127,7 @@ def reductions_in_place(
         wait.replace_all_uses_with(own, delete_user_cb=lambda user: user is not mine)
         graph.erase_node(reduce)
         changed = True
-    if changed:
-        graph.lint()
-        gm.recompile()
-    return gm
+    return _recompiled(gm, changed)
 
 
 # gloo's worker thread holds a collective's tensors (a gather's input, the views of its output)
@@ -207,7 +208,4 @@ def free_collective_buffers(gm: fx.GraphModule, needed: Callable[[str], bool] = 
     for buffer, after in freed.items():
         with graph.inserting_after(after):
             graph.call_function(resize_storage_bytes_, (buffer, 0))
-    if freed:
-        graph.lint()
-        gm.recompile()
-    return gm
+    return _recompiled(gm, bool(freed))
