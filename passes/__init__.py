@@ -4,7 +4,8 @@ Installed as ``autoshard.passes``. Their order, stages and schedules are declare
 ``autoshard/compiler/pipeline.py``; in short: on the joint forward+backward graph,
 merge_shared_parameters then lower_annotations; on each
 partitioned graph, bucket_collectives then schedule_overlap (or PyTorch's own scheduler,
-inductor_schedule, as a baseline), then gathers_into_buffers on gloo groups.
+inductor_schedule, as a baseline), then over gloo gathers_into_buffers and, for graphs run
+op by op, reductions_in_place and free_collective_buffers.
 """
 from .bucket import bucket_collectives, plan_buckets
 from .gloo import free_collective_buffers, gathers_into_buffers, reductions_in_place

@@ -2,14 +2,16 @@
 and freed, and what it holds (a parameter shard, a gathered parameter, a gradient, ...), read
 from graph structure alone.
 
-A storage is allocated when its node runs and freed after its last use through any alias. Views,
-getitem and wait_tensor alias their input; a backward placeholder aliases the saved forward
-value it receives. Pinned until the end of the step: forward placeholders (owned by the caller:
-parameter shards, the batch), the forward's user outputs and the backward's outputs
-(gradients). A value saved for the backward dies at its last use there: the backend runs graphs
-in the boxed convention, so a compiled backward owns what it takes. A collective whose profile
-stages its buffer (gloo) also holds a workspace from its issue to its wait (to the next issue
-where the profile frees buffers late).
+A storage is allocated when its node runs and freed after its last use through any alias.
+Views, getitem and wait_tensor alias their input, a collective into a buffer (or in place) its
+buffer; a backward placeholder aliases the saved forward value it receives. Pinned until the
+end of the step: forward placeholders (owned by the caller: parameter shards, the batch), the
+forward's user outputs and the backward's outputs (gradients). A value saved for the backward
+dies at its last use there: the backend runs graphs in the boxed convention, so a compiled
+backward owns what it takes. A collective whose profile stages its buffer (gloo) also holds a
+workspace from its issue to its wait (to the next issue for the kinds the profile frees late);
+one whose backend copies its input at the issue (gloo's reduce-scatter) no longer reads that
+input after it.
 """
 from __future__ import annotations
 
