@@ -147,6 +147,7 @@ def schedule_overlap(
     shards_outside: bool = False,
     late_release: Collection[str] = (),
     input_copied: Callable[[fx.Node], bool] = never,
+    output_at_wait: Collection[str] = (),
     plan: SchedulePlan | None = None,
 ) -> fx.GraphModule:
     """Reorder a bucketed forward or backward graph so communication hides behind compute.
@@ -165,7 +166,7 @@ def schedule_overlap(
     if d = 0 does not).
 
     With ``memory_budget_bytes``, the graph's live peak (:func:`step_model.peak_bytes` with
-    ``workspace``, ``late_release`` and ``input_copied``; with ``shards_outside``, for a backward, the shards the
+    ``workspace``, ``late_release``, ``input_copied`` and ``output_at_wait``; with ``shards_outside``, for a backward, the shards the
     gathers read count as held outside and the other inputs die at their last use) plus
     ``outside_bytes`` must fit: one step at a time, the distance of a bucket prefetched across
     the peak, or r, drops by one (the step that lowers the peak most first, then the fastest);
@@ -196,7 +197,7 @@ def schedule_overlap(
         priority = g.priorities(plan)
         order = ordered(g.graph, priority)
         peak, at = peak_bytes(order, workspace, pin_inputs=not shards_outside, held_outside=shards, late_release=late,
-                              input_copied=input_copied)
+                              input_copied=input_copied, output_at_wait=output_at_wait)
         return replace(plan, peak_bytes=peak + outside_bytes, step_time=step_time(order, compute_time, collective_time),
                        peak_at=priority[order[at]] if order else 0.0)
 

@@ -78,6 +78,7 @@ def peak_bytes(
     held_outside: Collection[fx.Node] = (),
     late_release: Collection[str] = (),
     input_copied: Callable[[fx.Node], bool] = never,
+    output_at_wait: Collection[str] = (),
 ) -> tuple[int, int]:
     """(peak live bytes, position of the peak) of the graph run in ``order``.
 
@@ -91,6 +92,8 @@ def peak_bytes(
     graphs in the boxed convention, which hands the inputs over (``_compat.boxed``). ``held_outside``: placeholders the
     caller counts itself (a backward's parameter shards), here 0 bytes. ``late_release``:
     the kinds of collective whose inputs and workspaces last until :func:`release_points` says.
+    ``output_at_wait``: the kinds of collective whose result is made at the wait (a reduction
+    the graph runs in place and then copies its chunk from, passes/gloo.py), not at the issue.
     """
     pos = {n: i for i, n in enumerate(order)}
     end = len(order)
@@ -123,7 +126,10 @@ def peak_bytes(
         if not size:
             continue
         free = end if (n.op == "placeholder" and pin_inputs) else last.get(n, pos[n])
-        delta[pos[n]] += size
+        born = pos[n]
+        if collective_kind(n) in output_at_wait:
+            born = next((pos[u] for u in n.users if is_wait(u) and u in pos), born)
+        delta[born] += size
         delta[min(free + 1, end)] -= size
         if n in release and (extra := workspace(n)):
             delta[pos[n]] += extra

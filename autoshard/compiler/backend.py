@@ -80,11 +80,14 @@ def _finish(
     backward graph, writing its stages (and the report once the graph's last stage is done)."""
     profile = _profile(gm, opts)
     compute_time, comm_time = estimators(profile)
-    late = profile.comm_release_late
-    if opts.compiler == "inductor" and profile.comm_input_copied:  # gloo's (its copies), and Inductor's graphs
-        late += GLOO_RELEASE_LATE  # leave its buffers to it (passes/gloo.py)
+    late, at_wait = profile.comm_release_late, ()
+    if profile.comm_input_copied:  # gloo (it copies a reduce-scatter's input):
+        if opts.compiler == "inductor":  # Inductor's graphs leave gloo's buffers to it
+            late += GLOO_RELEASE_LATE
+        else:  # graphs run op by op reduce in place and copy their chunk at the wait (passes/gloo.py)
+            at_wait = ("reduce_scatter",)
     ctx = pipeline.Context(opts, side, compute_time, comm_time, workspace=workspace(profile), param_bytes=param_bytes,
-                           late_release=late, input_copied=input_copied(profile),
+                           late_release=late, input_copied=input_copied(profile), output_at_wait=at_wait,
                            fsdp2_policy=profile.fsdp2_policy(side),
                            fsdp2_blocking=profile.fsdp2_blocking)
     pipeline.run(pipeline.PARTITIONED, gm, ctx, dump.write)

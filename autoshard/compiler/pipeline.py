@@ -57,6 +57,7 @@ class Context:
     workspace: Callable[[fx.Node], int] | None = None  # a collective's in-flight extra bytes (cost_model.workspace)
     late_release: tuple[str, ...] = ()  # kinds whose buffers may outlive their waits (DeviceProfile.comm_release_late)
     input_copied: Callable[[fx.Node], bool] | None = None  # cost_model.input_copied: inputs free at the issue
+    output_at_wait: tuple[str, ...] = ()  # kinds whose result the graph makes at the wait (passes/gloo.py)
     fsdp2_policy: tuple[int, int] = (1, 1)  # FSDP2 eager on this side and device (DeviceProfile.fsdp2_policy)
     fsdp2_blocking: bool = False  # DeviceProfile.fsdp2_blocking
     # Set by the bucketing step for the schedule: the bucket cap it chose and the plan found for it.
@@ -106,7 +107,8 @@ def _schedule(gm: fx.GraphModule, ctx: Context, budget: int | None, plan: Any = 
         memory_budget_bytes=budget, outside_bytes=outside, workspace=ctx.workspace or no_workspace,
         # Without a budget, never more memory than FSDP2 eager on this device; its policy's plan is a candidate.
         no_more_than=ctx.fsdp2_policy if opts.schedule == "autoshard" else None, reference_blocking=ctx.fsdp2_blocking,
-        shards_outside=ctx.side == "backward", late_release=ctx.late_release, input_copied=ctx.input_copied or never, plan=plan,
+        shards_outside=ctx.side == "backward", late_release=ctx.late_release, input_copied=ctx.input_copied or never,
+        output_at_wait=ctx.output_at_wait, plan=plan,
     )
 
 
