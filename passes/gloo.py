@@ -34,6 +34,34 @@ resize_storage_bytes_ = torch.ops.inductor.resize_storage_bytes_.default
 # it too. Other backends keep the out-of-place op, which they run without this.
 
 
+# What the passes free or reduce in place: storages these ops allocate (copy-ins, pads, casts,
+# buffers). Anything else (a view of a placeholder, an op's output they do not know) stays the graph's.
+_ALLOCATES = (aten.empty.memory_format, aten.cat.default, aten.constant_pad_nd.default, aten.clone.default,
+              torch.ops.prims.convert_element_type.default)
+
+
+def _returns_its_input(node: fx.Node) -> bool:
+    # An in-place op (copy_ into a slice of a bucket, as PyTorch's bucketer does) returns its
+    # first argument: its schema's return shares that argument's alias set.
+    schema = getattr(node.target, "_schema", None)
+    return bool(schema and schema.returns and schema.returns[0].alias_info is not None)
+
+
+def _storage_roots(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
+    """node -> the node that allocated the storage it uses (itself when it allocates)."""
+    root: dict[fx.Node, fx.Node] = {}
+    for n in graph.nodes:
+        base = out_buffer(n)
+        first = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
+        if base is None and first is not None and (
+            is_view(n, hidden=True) or is_wait(n) or _returns_its_input(n)
+            or (n.target is operator.getitem and is_view(first, hidden=True))  # a piece of split(...)
+        ):
+            base = first
+        root[n] = root.get(base, base) if base is not None else n
+    return root
+
+
 def _recompiled(gm: fx.GraphModule, changed: bool) -> fx.GraphModule:
     if changed:  # an unchanged graph keeps its code: no lint, no recompile
         gm.graph.lint()
@@ -135,34 +163,6 @@ def reductions_in_place(
 # freeing them is its business, and the process's peak moved by tens of MiB from run to run
 # for one plan (measured: 146, 165 and 194 MiB). Resizing a storage to 0 frees its memory
 # whoever still references it, so the graph frees what it allocated at a known point.
-
-
-# What the pass frees: storages these ops allocate (copy-ins, pads, casts, buffers). Anything
-# else (a view of a placeholder, an op's output the pass does not know) stays the graph's.
-_ALLOCATES = (aten.empty.memory_format, aten.cat.default, aten.constant_pad_nd.default, aten.clone.default,
-              torch.ops.prims.convert_element_type.default)
-
-
-def _returns_its_input(node: fx.Node) -> bool:
-    # An in-place op (copy_ into a slice of a bucket, as PyTorch's bucketer does) returns its
-    # first argument: its schema's return shares that argument's alias set.
-    schema = getattr(node.target, "_schema", None)
-    return bool(schema and schema.returns and schema.returns[0].alias_info is not None)
-
-
-def _storage_roots(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
-    """node -> the node that allocated the storage it uses (itself when it allocates)."""
-    root: dict[fx.Node, fx.Node] = {}
-    for n in graph.nodes:
-        base = out_buffer(n)
-        first = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
-        if base is None and first is not None and (
-            is_view(n, hidden=True) or is_wait(n) or _returns_its_input(n)
-            or (n.target is operator.getitem and is_view(first, hidden=True))  # a piece of split(...)
-        ):
-            base = first
-        root[n] = root.get(base, base) if base is not None else n
-    return root
 
 
 def free_collective_buffers(gm: fx.GraphModule, needed: Callable[[str], bool] = on_gloo) -> fx.GraphModule:

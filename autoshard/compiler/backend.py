@@ -27,7 +27,7 @@ from autoshard._compat import (
 )
 from autoshard.compiler import pipeline
 from autoshard.compiler.consistency import reports_compile_failure
-from autoshard.compiler.cost_model import GLOO_RELEASE_LATE, DeviceProfile, estimators, get_profile, input_copied, workspace
+from autoshard.compiler.cost_model import DeviceProfile, estimators, get_profile, input_copied, workspace
 from autoshard.compiler.dump import GraphDump
 from autoshard.compiler.options import Options, parse_options
 
@@ -80,15 +80,9 @@ def _finish(
     backward graph, writing its stages (and the report once the graph's last stage is done)."""
     profile = _profile(gm, opts)
     compute_time, comm_time = estimators(profile)
-    late, at_wait = profile.comm_release_late, ()
-    if profile.comm_input_copied:  # gloo (it copies a reduce-scatter's input):
-        if opts.compiler == "inductor":  # Inductor's graphs leave gloo's buffers to it
-            late += GLOO_RELEASE_LATE
-        else:  # graphs run op by op reduce in place and copy their chunk at the wait (passes/gloo.py)
-            at_wait = ("reduce_scatter",)
+    gloo = pipeline.gloo_memory(profile.comm_release_late, bool(profile.comm_input_copied), opts.compiler)
     ctx = pipeline.Context(opts, side, compute_time, comm_time, workspace=workspace(profile), param_bytes=param_bytes,
-                           late_release=late, input_copied=input_copied(profile), output_at_wait=at_wait,
-                           fsdp2_policy=profile.fsdp2_policy(side),
+                           input_copied=input_copied(profile), **gloo, fsdp2_policy=profile.fsdp2_policy(side),
                            fsdp2_blocking=profile.fsdp2_blocking)
     pipeline.run(pipeline.PARTITIONED, gm, ctx, dump.write)
     if side == "backward" or inference:

@@ -17,6 +17,7 @@ from torch import fx
 from autoshard._compat import save_random_ops_in_checkpoints
 from autoshard.compiler.bucket_plan import choose_bucket_mb
 from autoshard.compiler.consistency import check_ranks_agree
+from autoshard.compiler.cost_model import GLOO_RELEASE_LATE
 from autoshard.compiler.options import SCHEDULES
 from autoshard.passes import (
     bucket_collectives,
@@ -139,11 +140,28 @@ def _rank_independent(compute_time: Callable[[fx.Node], float]) -> Callable[[fx.
     return lambda n: 0.0 if is_copy(n) else compute_time(n)
 
 
+def _frees_its_buffers(compiler: str) -> bool:
+    return compiler != "inductor"  # Inductor plans (and reuses) its own buffers
+
+
 def _gloo(gm: fx.GraphModule, ctx: Context) -> None:
     gathers_into_buffers(gm)
-    if ctx.options.compiler != "inductor":  # Inductor plans (and reuses) its own buffers
+    if _frees_its_buffers(ctx.options.compiler):
         reductions_in_place(gm)
         free_collective_buffers(gm)
+
+
+def gloo_memory(late_release: tuple[str, ...], copies_input: bool, compiler: str) -> dict[str, tuple[str, ...]]:
+    """What the memory model must assume of collectives given what :func:`_gloo` does to the
+    graph (its ``late_release`` and ``output_at_wait`` Context fields). ``copies_input``: the
+    profile's backend copies a reduce-scatter's input (gloo). Graphs that free their buffers
+    and reduce in place make a reduce-scatter's result at its wait; Inductor's leave gloo's
+    buffers to gloo's thread, which frees them late."""
+    if not copies_input:
+        return {"late_release": late_release, "output_at_wait": ()}
+    if _frees_its_buffers(compiler):
+        return {"late_release": late_release, "output_at_wait": ("reduce_scatter",)}
+    return {"late_release": late_release + GLOO_RELEASE_LATE, "output_at_wait": ()}
 
 
 def _inductor_schedule(gm: fx.GraphModule, ctx: Context) -> None:
