@@ -50,6 +50,7 @@ __all__ = [
     "c10d",
     "dynamo_counters",
     "FakeTensor",
+    "fake_from_meta",
     "compile_fx",
     "compile_fx_inner",
     "functorch_config",
@@ -77,6 +78,12 @@ c10d = torch.ops._c10d_functional
 # all_gather_single (the old name stays, documented as deprecated, and calls the new one);
 # torch 2.11 has only the old name.
 all_gather_single = getattr(torch.distributed, "all_gather_single", None) or torch.distributed.all_gather_into_tensor
+
+def fake_from_meta(fake_mode: FakeTensorMode, meta: torch.Tensor, device: torch.device) -> FakeTensor:
+    """A fake tensor of ``fake_mode`` on ``device`` with ``meta``'s shape, strides and dtype:
+    what the fake mode itself makes of a meta kernel's output, without its dispatch."""
+    return fake_mode.fake_tensor_converter.from_meta_and_device(fake_mode, meta, device)
+
 
 def register_backend(fn, name: str) -> None:
     """Make ``torch.compile(backend=name)`` find ``fn``.

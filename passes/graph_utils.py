@@ -7,6 +7,7 @@ model, the simulator and the report can use it without an import cycle.
 """
 from __future__ import annotations
 
+import functools
 import heapq
 from contextlib import contextmanager
 from typing import Any, Iterable, Iterator
@@ -15,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import fx
 
-from autoshard._compat import c10d, optimization_hint, resolve_process_group, unset_fake_temporarily
+from autoshard._compat import c10d, fake_from_meta, optimization_hint, resolve_process_group, unset_fake_temporarily
 from autoshard.runtime.ops import arguments
 
 # node.meta keys the passes share.
@@ -55,6 +56,19 @@ def _to_meta(v: Any) -> Any:
     return v
 
 
+@functools.cache
+def _returns_alias(target: Any) -> bool:
+    # Views and in-place ops: their fake value must share its input's storage, which only the
+    # fake mode's own dispatch gives.
+    schema = getattr(target, "_schema", None)
+    return schema is None or any(r.alias_info is not None for r in schema.returns)
+
+
+def _on_meta_device(target: Any, args: tuple) -> Any:
+    with unset_fake_temporarily():  # the compile's fake mode would turn meta tensors into fake ones
+        return target(*fx.node.map_aggregate(args, _to_meta))
+
+
 def call(graph: fx.Graph, target: Any, *args: Any) -> fx.Node:
     """Insert ``target(*args)`` at the graph's insertion point, with its fake value in
     ``meta["val"]`` so the partitioner and Inductor see shapes as for a traced node."""
@@ -62,12 +76,20 @@ def call(graph: fx.Graph, target: Any, *args: Any) -> fx.Node:
     # map_arg, not a pytree map: it visits only the nodes (the passes insert thousands of these).
     fake_args = fx.node.map_arg(args, val)
     if _on_meta:
-        with unset_fake_temporarily():  # the compile's fake mode would turn meta tensors into fake ones
-            node.meta["val"] = target(*fx.node.map_aggregate(fake_args, _to_meta))
+        node.meta["val"] = _on_meta_device(target, fake_args)
         return node
-    fake = next(v for v in map(val, node.all_input_nodes) if isinstance(v, torch.Tensor)).fake_mode
-    with fake:
-        node.meta["val"] = target(*fake_args)
+    inputs = [v for v in map(val, node.all_input_nodes) if isinstance(v, torch.Tensor)]
+    fake = inputs[0].fake_mode
+    if _returns_alias(target) or not all(map(_static, inputs)):
+        with fake:
+            node.meta["val"] = target(*fake_args)
+        return node
+    # A new tensor of static shape: its meta kernel, wrapped as the fake mode would (a fifth
+    # of the fake dispatch's time; thousands of these are inserted per graph).
+    device = inputs[0].device
+    node.meta["val"] = fx.node.map_aggregate(
+        _on_meta_device(target, fake_args), lambda t: fake_from_meta(fake, t, device) if isinstance(t, torch.Tensor) else t
+    )
     return node
 
 
