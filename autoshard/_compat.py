@@ -23,7 +23,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 from torch._inductor.fx_passes.memory_estimator import MemoryTracker
 from torch._inductor.utils import run_and_get_code
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, in_kernel_invocation_manager, unset_fake_temporarily
 from torch.distributed.distributed_c10d import _get_default_store as default_store
 from torch.distributed.distributed_c10d import _resolve_process_group as resolve_process_group
 from torch.utils._pytree import tree_leaves, tree_map, tree_map_only
@@ -51,6 +51,7 @@ __all__ = [
     "dynamo_counters",
     "FakeTensor",
     "fake_from_meta",
+    "fake_view",
     "compile_fx",
     "compile_fx_inner",
     "functorch_config",
@@ -83,6 +84,15 @@ def fake_from_meta(fake_mode: FakeTensorMode, meta: torch.Tensor, device: torch.
     """A fake tensor of ``fake_mode`` on ``device`` with ``meta``'s shape, strides and dtype:
     what the fake mode itself makes of a meta kernel's output, without its dispatch."""
     return fake_mode.fake_tensor_converter.from_meta_and_device(fake_mode, meta, device)
+
+
+def fake_view(fake_mode: FakeTensorMode, target: Any, args: tuple, device: torch.device) -> FakeTensor:
+    """``target(*args)`` for a view op of fake tensors (static shapes), on their own storage:
+    the view's meta kernel run as the fake mode runs kernels, then wrapped as it wraps their
+    outputs (its dispatch, cache lookups included, costs ten times as much)."""
+    with in_kernel_invocation_manager(fake_mode):
+        out = target(*args)
+    return FakeTensor(fake_mode, out, device)
 
 
 def register_backend(fn, name: str) -> None:

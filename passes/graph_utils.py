@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import fx
 
-from autoshard._compat import c10d, fake_from_meta, optimization_hint, resolve_process_group, unset_fake_temporarily
+from autoshard._compat import c10d, fake_from_meta, fake_view, optimization_hint, resolve_process_group, unset_fake_temporarily
 from autoshard.runtime.ops import arguments
 
 # node.meta keys the passes share.
@@ -57,11 +57,17 @@ def _to_meta(v: Any) -> Any:
 
 
 @functools.cache
-def _returns_alias(target: Any) -> bool:
-    # Views and in-place ops: their fake value must share its input's storage, which only the
-    # fake mode's own dispatch gives.
+def _how(target: Any) -> str:
+    """How :func:`call` computes ``target``'s fake value: ``"view"`` (a view op returning one
+    tensor: on its input's storage), ``"new"`` (returns new tensors: their meta kernel) or
+    ``"fake"`` (in-place ops, anything else: the fake mode's own dispatch)."""
     schema = getattr(target, "_schema", None)
-    return schema is None or any(r.alias_info is not None for r in schema.returns)
+    if schema is None:
+        return "fake"
+    aliased = [r.alias_info is not None for r in schema.returns]
+    if getattr(target, "is_view", False) and aliased == [True] and str(schema.returns[0].type) == "Tensor":
+        return "view"
+    return "fake" if any(aliased) else "new"
 
 
 def _on_meta_device(target: Any, args: tuple) -> Any:
@@ -71,25 +77,27 @@ def _on_meta_device(target: Any, args: tuple) -> Any:
 
 def call(graph: fx.Graph, target: Any, *args: Any) -> fx.Node:
     """Insert ``target(*args)`` at the graph's insertion point, with its fake value in
-    ``meta["val"]`` so the partitioner and Inductor see shapes as for a traced node."""
+    ``meta["val"]`` so the partitioner and Inductor see shapes as for a traced node.
+
+    The passes insert thousands of nodes per graph, so for static shapes the value comes from
+    the op's meta kernel, as the fake mode computes it but without its dispatch (a fifth of
+    the time); views share their input's storage, as fake views do."""
     node = graph.call_function(target, args)
-    # map_arg, not a pytree map: it visits only the nodes (the passes insert thousands of these).
+    # map_arg, not a pytree map: it visits only the nodes.
     fake_args = fx.node.map_arg(args, val)
     if _on_meta:
         node.meta["val"] = _on_meta_device(target, fake_args)
         return node
     inputs = [v for v in map(val, node.all_input_nodes) if isinstance(v, torch.Tensor)]
-    fake = inputs[0].fake_mode
-    if _returns_alias(target) or not all(map(_static, inputs)):
+    fake, device, how = inputs[0].fake_mode, inputs[0].device, _how(target)
+    if how == "fake" or not all(map(_static, inputs)):
         with fake:
             node.meta["val"] = target(*fake_args)
-        return node
-    # A new tensor of static shape: its meta kernel, wrapped as the fake mode would (a fifth
-    # of the fake dispatch's time; thousands of these are inserted per graph).
-    device = inputs[0].device
-    node.meta["val"] = fx.node.map_aggregate(
-        _on_meta_device(target, fake_args), lambda t: fake_from_meta(fake, t, device) if isinstance(t, torch.Tensor) else t
-    )
+    elif how == "view":
+        node.meta["val"] = fake_view(fake, target, fake_args, device)
+    else:
+        wrap = lambda t: fake_from_meta(fake, t, device) if isinstance(t, torch.Tensor) else t  # noqa: E731
+        node.meta["val"] = fx.node.map_aggregate(_on_meta_device(target, fake_args), wrap)
     return node
 
 

@@ -10,7 +10,7 @@ from torch import fx
 from autoshard._compat import c10d
 
 from .graph_utils import GATHERED, collectives, exclusive_inputs, issue_inputs, nbytes, ordered, outputs_of, positions, reorder, wait_of
-from .step_model import Workspace, never, no_workspace, peak_bytes, step_time
+from .step_model import Storages, Workspace, never, no_workspace, peak_bytes, step_time
 
 PLAN = "autoshard_schedule"  # gm.meta key: the chosen SchedulePlan, for explain and the report
 
@@ -193,11 +193,14 @@ def schedule_overlap(
     if shards_outside:
         shards = {a for x in g.gathers for n in x.issue for a in n.all_input_nodes if a.op == "placeholder"}
 
+    storages = Storages([n for n in g.graph.nodes if n.op != "output"])
+    workspace, input_copied = functools.cache(workspace), functools.cache(input_copied)
+
     def evaluate(plan: SchedulePlan, late: Collection[str] = late_release) -> SchedulePlan:
         priority = g.priorities(plan)
         order = ordered(g.graph, priority)
         peak, at = peak_bytes(order, workspace, pin_inputs=not shards_outside, held_outside=shards, late_release=late,
-                              input_copied=input_copied, output_at_wait=output_at_wait)
+                              input_copied=input_copied, output_at_wait=output_at_wait, storages=storages)
         return replace(plan, peak_bytes=peak + outside_bytes, step_time=step_time(order, compute_time, collective_time),
                        peak_at=priority[order[at]] if order else 0.0)
 

@@ -71,6 +71,21 @@ def release_points(order: Sequence[fx.Node], late: Collection[str] = ()) -> dict
     return points
 
 
+class Storages:
+    """Which storage each node of a graph uses and how large each is: the part of
+    :func:`peak_bytes` that no order changes, computed once for a search over many orders."""
+
+    def __init__(self, nodes: Sequence[fx.Node]) -> None:
+        self.root: dict[fx.Node, fx.Node] = {}  # node -> the node whose storage it uses
+        for n in nodes:  # in a topological order: a base is rooted before its aliases
+            base = out_buffer(n) or (n.args[0] if n.args and isinstance(n.args[0], fx.Node) and _aliases(n) else None)
+            self.root[n] = self.root.get(base, base) if base is not None else n
+        self.size: dict[fx.Node, int] = {}  # a storage's bytes: the largest of its aliases (a pad's output)
+        for n in nodes:
+            r = self.root[n]
+            self.size[r] = max(self.size.get(r, 0), nbytes(n))
+
+
 def peak_bytes(
     order: Sequence[fx.Node],
     workspace: Workspace = no_workspace,
@@ -79,6 +94,7 @@ def peak_bytes(
     late_release: Collection[str] = (),
     input_copied: Callable[[fx.Node], bool] = never,
     output_at_wait: Collection[str] = (),
+    storages: Storages | None = None,
 ) -> tuple[int, int]:
     """(peak live bytes, position of the peak) of the graph run in ``order``.
 
@@ -94,13 +110,12 @@ def peak_bytes(
     the kinds of collective whose inputs and workspaces last until :func:`release_points` says.
     ``output_at_wait``: the kinds of collective whose result is made at the wait (a reduction
     the graph runs in place and then copies its chunk from, passes/gloo.py), not at the issue.
+    ``storages``: :class:`Storages` of these nodes, when the caller prices many orders of them.
     """
     pos = {n: i for i, n in enumerate(order)}
     end = len(order)
-    root: dict[fx.Node, fx.Node] = {}  # node -> the node whose storage it uses
-    for n in order:
-        base = out_buffer(n) or (n.args[0] if n.args and isinstance(n.args[0], fx.Node) and _aliases(n) else None)
-        root[n] = root.get(base, base) if base is not None else n
+    found = storages or Storages(order)
+    root, sizes = found.root, found.size
     release = release_points(order, late_release)
     last: dict[fx.Node, int] = {}
     for n in order:
@@ -115,9 +130,6 @@ def peak_bytes(
     if output is not None:
         for a in output.all_input_nodes:
             last[root.get(a, a)] = end
-    sizes: dict[fx.Node, int] = {}  # a storage's bytes: the largest of its aliases (a pad's output)
-    for n in order:
-        sizes[root[n]] = max(sizes.get(root[n], 0), nbytes(n))
     delta = [0] * (end + 1)
     for n in order:
         if root[n] is not n:

@@ -1,0 +1,61 @@
+"""graph_utils.call: the fake value of an inserted node is what the fake mode would compute.
+
+The passes insert thousands of nodes, so ``call`` takes a view's value from its meta kernel on
+the input's own storage and a new tensor's from its meta kernel, not from the fake mode's
+dispatch; these tests compare both against that dispatch.
+"""
+from __future__ import annotations
+
+import torch
+from torch import fx
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from autoshard._compat import FakeTensor, FakeTensorMode
+from autoshard.passes.graph_utils import call
+
+aten = torch.ops.aten
+
+
+def _graph(*shapes: tuple[int, ...]) -> tuple[fx.Graph, list[fx.Node], FakeTensorMode]:
+    mode = FakeTensorMode()
+    graph = fx.Graph()
+    nodes = []
+    for i, shape in enumerate(shapes):
+        node = graph.placeholder(f"x{i}")
+        with mode:
+            node.meta["val"] = torch.empty(shape)
+        nodes.append(node)
+    return graph, nodes, mode
+
+
+def _same_metadata(found: torch.Tensor, expected: torch.Tensor) -> None:
+    assert isinstance(found, FakeTensor) and found.fake_mode is expected.fake_mode
+    assert (found.shape, found.stride(), found.dtype, found.device, found.storage_offset()) == \
+        (expected.shape, expected.stride(), expected.dtype, expected.device, expected.storage_offset())
+
+
+def test_views_share_their_input_storage_as_fake_views_do():
+    graph, (x,), mode = _graph((8, 6))
+    cases = [(aten.slice.Tensor, (x, 1, 2, 5)), (aten.view.default, (x, [48])), (aten.t.default, (x,)),
+             (aten.narrow.default, (x, 0, 4, 4))]
+    for target, args in cases:
+        node = call(graph, target, *args)
+        with mode:
+            expected = target(x.meta["val"], *args[1:])
+        _same_metadata(node.meta["val"], expected)
+        assert StorageWeakRef(node.meta["val"].untyped_storage()) == StorageWeakRef(x.meta["val"].untyped_storage()), target
+
+
+def test_new_tensors_have_the_fake_modes_metadata_and_their_own_storage():
+    graph, (x, y), mode = _graph((8, 6), (4, 6))
+    sliced = call(graph, aten.slice.Tensor, x, 1, 0, 3)  # not contiguous: the clone's strides follow
+    cases = [(aten.clone.default, (sliced,)), (aten.cat.default, ([x, y],)), (aten.constant_pad_nd.default, (y, [0, 0, 0, 4])),
+             (aten._to_copy.default, (x,))]
+    for target, args in cases:
+        node = call(graph, target, *args)
+        fake_args = fx.node.map_arg(args, lambda n: n.meta["val"])
+        with mode:
+            expected = target(*fake_args)
+        _same_metadata(node.meta["val"], expected)
+        assert all(StorageWeakRef(node.meta["val"].untyped_storage()) != StorageWeakRef(n.meta["val"].untyped_storage())
+                   for n in (x, y)), target
