@@ -60,3 +60,26 @@ def test_one_measurement_accounts_for_every_phase():
     assert row["capture"] > 0 and row["autoshard"] > 0 and row["partition"] > 0 and row["passes"]
     assert row["autoshard"] > 0 and row["partition"] > 0 and row["dynamo"] > 0
     assert {"lower_annotations", "bucket_collectives", "schedule_overlap"} <= set(row["passes"])
+
+
+def test_the_collector_ignores_older_objects_while_compiling_and_is_given_them_back(monkeypatch):
+    import gc
+
+    from autoshard.compiler import pipeline
+
+    from fake_pg import compile_step
+
+    frozen_while_running = []
+    run = pipeline.run
+    monkeypatch.setattr(pipeline, "run", lambda *a, **k: frozen_while_running.append(gc.get_freeze_count()) or run(*a, **k))
+    assert gc.get_freeze_count() == 0
+    compile_step("mlp")
+    assert frozen_while_running and min(frozen_while_running) > 0  # the forward's and the lazily compiled backward's
+    assert gc.get_freeze_count() == 0
+    # A process that froze objects itself (before forking workers) keeps them frozen.
+    gc.freeze()
+    try:
+        compile_step("mlp")
+        assert gc.get_freeze_count() > 0  # not unfrozen (the count itself drops as frozen objects die)
+    finally:
+        gc.unfreeze()
