@@ -32,15 +32,15 @@ def _backward(leaf: torch.Tensor, scale: float) -> None:
 def test_a_leaf_views_the_shard(linear):
     found = _leaves(linear)
     local = linear._parameters["weight"].to_local()
-    assert not isinstance(found.trainable, DTensor) and found.trainable.requires_grad and not found.frozen.requires_grad
-    assert found.trainable.data_ptr() == local.data_ptr() == found.frozen.data_ptr()  # no copy
+    assert not isinstance(found.leaf, DTensor) and found.leaf.requires_grad
+    assert found.leaf.data_ptr() == local.data_ptr()  # no copy
     with torch.no_grad():
         linear._parameters["weight"].mul_(0)  # as an optimizer step writes the shard
-    assert found.trainable.abs().sum() == 0
+    assert found.leaf.abs().sum() == 0
 
 
 def test_the_leaf_gradient_is_the_parameter_gradient(linear):
-    param, leaf = linear._parameters["weight"], _leaves(linear).trainable
+    param, leaf = linear._parameters["weight"], _leaves(linear).leaf
     _backward(leaf, 2.0)
     assert isinstance(param.grad, DTensor) and param.grad.placements == param.placements
     assert torch.equal(param.grad.to_local(), torch.full_like(leaf, 2.0))
@@ -50,7 +50,7 @@ def test_the_leaf_gradient_is_the_parameter_gradient(linear):
 
 
 def test_zero_grad_and_an_assigned_gradient_are_respected(linear):
-    param, leaf = linear._parameters["weight"], _leaves(linear).trainable
+    param, leaf = linear._parameters["weight"], _leaves(linear).leaf
     _backward(leaf, 2.0)
     param.grad = None  # zero_grad(set_to_none=True)
     _backward(leaf, 3.0)
@@ -66,8 +66,8 @@ def test_moving_the_module_rebuilds_its_leaves(linear):
     before = _leaves(linear)
     linear.to(torch.float64)
     after = _leaves(linear)
-    assert after.trainable is not before.trainable and after.trainable.dtype == torch.float64
-    assert after.trainable.data_ptr() == linear._parameters["weight"].to_local().data_ptr()
+    assert after.leaf is not before.leaf and after.leaf.dtype == torch.float64
+    assert after.leaf.data_ptr() == linear._parameters["weight"].to_local().data_ptr()
 
 
 def test_tied_parameters_share_their_leaves():

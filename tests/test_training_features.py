@@ -63,12 +63,21 @@ def _bucketed_flush() -> dict[str, Any]:
             "kinds": len({spec.dim0 < 0 for _, spec, _ in items})}
 
 
+def _refreeze(step: int, model: torch.nn.Module) -> None:
+    """fc1.weight frozen from the start (after shard, before the first compile), then
+    unfrozen and fc2.weight frozen from step 1: set on the DTensor parameters directly."""
+    params = dict(model.named_parameters())
+    params["fc1.weight"].requires_grad_(step >= 1)
+    params["fc2.weight"].requires_grad_(step == 0)
+
+
 def _features() -> dict[str, dict[str, Any]]:
     mixed = functools.partial(autoshard.shard, mixed_precision=BF16_COMPUTE)
     return {
         "flush": _bucketed_flush(),
         "clip": train_pair("uneven", optimizer="sgd", max_norm=MAX_NORM),  # padded, empty and 0-d shards
         "lora": train_pair("lora"),
+        "refreeze": train_pair("mlp", steps=3, trainable=_refreeze),
         "checkpointed": train_pair("checkpointed"),
         "accumulation": train_pair("gpt", micro_batches=2),  # tied weights share one accumulator
         "bf16_gpt": train_mixed_precision("gpt", mixed),
@@ -91,6 +100,14 @@ def test_clip_grad_norm_on_sharded_gradients_is_the_global_norm():
     found = _results()["clip"]
     assert found["clip_ratio"] > 1, "the test's max_norm must be below the gradients' norm"
     assert found["norm"] <= TOL and found["params"] <= TOL and found["loss"] <= TOL, found
+
+
+def test_freezing_and_unfreezing_parameters_between_compiled_steps_trains_like_one_process():
+    """A change of requires_grad before the first compile is seen while tracing (one graph);
+    one after it runs that step eagerly and recompiles for the next (a second graph)."""
+    found = _results()["refreeze"]
+    assert found["params"] <= TOL and found["loss"] <= TOL, found
+    assert found["graphs"] == 2, found
 
 
 def test_lora_trains_like_one_process():

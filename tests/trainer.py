@@ -69,9 +69,12 @@ def train_pair(
     steps: int = 3,
     micro_batches: int = 1,
     max_norm: float | None = None,
+    trainable: Callable[[int, nn.Module], None] | None = None,
 ) -> dict[str, Any]:
     """Train ``shard(copy of model name)`` next to the model itself for ``steps`` steps.
 
+    ``trainable(step, model)``: called on both models before each step, to freeze or unfreeze
+    parameters (the optimizers then hold every parameter; AdamW skips those without a gradient).
     ``micro_batches`` > 1: gradient accumulation, synchronised on the last micro-batch only
     (``set_requires_gradient_sync``); ``max_norm``: both clip with ``clip_grad_norm_``.
     Returns the largest loss, parameter and gradient-norm differences seen, the smallest
@@ -83,9 +86,15 @@ def train_pair(
     reference = build(name)
     sharded = shard(copy.deepcopy(reference))
     run = _compile(sharded, compiler, schedule)
-    ref_opt, opt = _optimizer(optimizer, reference), _optimizer(optimizer, sharded)
+    if trainable is None:
+        ref_opt, opt = _optimizer(optimizer, reference), _optimizer(optimizer, sharded)
+    else:
+        ref_opt, opt = OPTIMIZERS[optimizer](list(reference.parameters())), OPTIMIZERS[optimizer](list(sharded.parameters()))
     found = {"loss": 0.0, "params": 0.0, "norm": 0.0, "clip_ratio": float("inf")}
     for step in range(steps):
+        if trainable is not None:
+            trainable(step, reference)
+            trainable(step, sharded)
         x, y = batch(name, step)
         ref_loss = loss = 0.0
         for micro in range(micro_batches):

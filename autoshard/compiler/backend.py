@@ -33,6 +33,7 @@ from autoshard.compiler.consistency import reports_compile_failure
 from autoshard.compiler.cost_model import DeviceProfile, estimators, get_profile, input_copied, workspace
 from autoshard.compiler.dump import GraphDump
 from autoshard.compiler.options import Options, parse_options
+from autoshard.runtime import leaves
 
 _warned_unsharded = False
 
@@ -87,6 +88,29 @@ def _warn_if_unsharded(example_inputs: Sequence[Any]) -> None:
         )
 
 
+def _following_requires_grad(compiled: Callable, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+    """``compiled``, checking first that no parameter's requires_grad changed since Dynamo
+    traced ``gm`` (a user may freeze or unfreeze a DTensor parameter at any time, and Dynamo
+    guards only on the leaves). If one did, the leaves are synced, so the next call
+    recompiles, and this call runs ``gm`` eagerly, which reads the new setting: no step is
+    ever run with the old one. The same on every rank, since their parameters agree."""
+    found = leaves.tracked(example_inputs)
+    if not found[0] or not isinstance(gm, fx.GraphModule):
+        return compiled
+
+    @functools.wraps(compiled)
+    def run(*args: Any) -> Any:
+        if not leaves.stale(found):
+            return compiled(*args)
+        if len(args) == 1 and type(args[0]) is list:  # boxed: one list of inputs (never a graph input), which the callee empties
+            inputs = list(args[0])
+            args[0].clear()
+            return gm(*inputs)
+        return gm(*args)
+
+    return run
+
+
 def _profile(gm: fx.GraphModule, opts: Options) -> DeviceProfile:
     if opts.profile is not None:
         return get_profile(opts.profile)
@@ -125,6 +149,10 @@ def _finish(
 @_paused
 def autoshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict | None = None) -> Callable:
     """Compile a Dynamo graph of a model sharded by :func:`autoshard.shard`."""
+    return _following_requires_grad(_compile(gm, example_inputs, options), gm, example_inputs)
+
+
+def _compile(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict | None) -> Callable:
     opts: Options = parse_options(options)
     _warn_if_unsharded(example_inputs)
     dump = GraphDump(opts.debug_dir)

@@ -1,11 +1,17 @@
 """What the forward reads of a sharded parameter: a plain tensor, not the DTensor.
 
-Each sharded parameter (an ``nn.Parameter`` holding a DTensor) gets two *leaves*: plain
-``nn.Parameter`` views of its local shard (the same storage, no copy), one trainable, one
-frozen. The annotation ops take the leaf, so neither Dynamo nor AOT autograd ever traces a
-DTensor (``to_local``, subclass inputs, the mesh): per parameter use that was most of what
-sharding added to compile time. The optimizer, ``state_dict`` and checkpoints still see only
-the DTensor parameters.
+Each sharded parameter (an ``nn.Parameter`` holding a DTensor) gets a *leaf*: a plain
+``nn.Parameter`` view of its local shard (the same storage, no copy) whose ``requires_grad``
+follows the parameter's. The annotation ops take the leaf, so neither Dynamo nor AOT autograd
+ever traces a DTensor (``to_local``, subclass inputs, the mesh): per parameter use that was
+most of what sharding added to compile time. The optimizer, ``state_dict`` and checkpoints
+still see only the DTensor parameters.
+
+``requires_grad`` is set on the DTensor parameter, where autoshard cannot see it change, and
+read from the leaf, which Dynamo guards on. It is copied over whenever a forward reads the
+parameter eagerly, while Dynamo traces it (:func:`tracing_sync`), and, for changes after
+compiling, by the compiled graph before each call (:func:`stale`; the backend then runs that
+call eagerly and Dynamo recompiles the next one).
 
 The gradient autograd accumulates into the trainable leaf is the DTensor parameter's ``.grad``:
 its local tensor *is* the leaf's ``.grad`` (:class:`_GradLink`), so accumulation adds in place
@@ -15,7 +21,7 @@ optimizers act on both at once. Leaves are rebuilt when the shard's storage chan
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 from torch import nn
@@ -28,9 +34,8 @@ _ON_PARAM = "_autoshard_leaves"  # on the DTensor parameter itself: shared by ev
 
 
 class Leaves(NamedTuple):
-    param: nn.Parameter  # the DTensor parameter they view
-    trainable: nn.Parameter
-    frozen: nn.Parameter
+    param: nn.Parameter  # the DTensor parameter it views
+    leaf: nn.Parameter
 
 
 class _GradLink:
@@ -67,22 +72,63 @@ class _GradLink:
 def _build(param: nn.Parameter) -> Leaves:
     with torch.no_grad():
         local = param.to_local().detach()
-    trainable = nn.Parameter(local, requires_grad=True)
-    link = _GradLink(param, trainable)
-    trainable.register_hook(link.before)
-    trainable.register_post_accumulate_grad_hook(link.after)
-    leaves = Leaves(param, trainable, nn.Parameter(local, requires_grad=False))
-    for leaf in leaves[1:]:
-        leaf._autoshard_leaf = True  # the backend's "unsharded parameter" warning skips these
+    leaf = nn.Parameter(local, requires_grad=True)  # hooks need it; set to the parameter's below
+    link = _GradLink(param, leaf)
+    leaf.register_hook(link.before)
+    leaf.register_post_accumulate_grad_hook(link.after)
+    leaf.requires_grad_(param.requires_grad)
+    leaf._autoshard_leaf = True  # the backend's "unsharded parameter" warning skips these
+    leaf._autoshard_param = param
+    leaves = Leaves(param, leaf)
     setattr(param, _ON_PARAM, leaves)
     return leaves
+
+
+def synced(leaves: Leaves) -> nn.Parameter:
+    """The leaf, its ``requires_grad`` made the parameter's."""
+    leaf, wanted = leaves.leaf, leaves.param.requires_grad
+    if leaf.requires_grad != wanted:
+        leaf.requires_grad_(wanted)
+    return leaf
+
+
+def tracing_sync(param: nn.Parameter) -> Callable[[], bool]:
+    """What a traced forward calls to read ``param.requires_grad``: Dynamo runs it for real
+    while tracing (a constant result, so it traces no DTensor), and it makes the leaf's
+    ``requires_grad``, which Dynamo then guards on, the parameter's."""
+
+    def sync() -> bool:
+        synced(getattr(param, _ON_PARAM))
+        return param.requires_grad
+
+    return torch.compiler.assume_constant_result(sync)
+
+
+Tracked = tuple[tuple[nn.Parameter, ...], tuple[nn.Parameter, ...]]  # leaves, and their parameters
+
+
+def tracked(inputs: Sequence[Any]) -> Tracked:
+    """The leaves among a compiled graph's inputs, with their parameters."""
+    found = [x for x in inputs if getattr(x, "_autoshard_leaf", False)]
+    return tuple(found), tuple(x._autoshard_param for x in found)
+
+
+def stale(leaves: Tracked) -> bool:
+    """Whether a parameter's ``requires_grad`` changed since its leaf was traced; syncs the
+    leaves when so (Dynamo's guard on them then fails: the next call recompiles)."""
+    found, params = leaves
+    if all(leaf.requires_grad == param.requires_grad for leaf, param in zip(found, params)):
+        return False
+    for param in params:
+        synced(getattr(param, _ON_PARAM))
+    return True
 
 
 def _current(leaves: Leaves | None, param: nn.Parameter) -> bool:
     if leaves is None or leaves.param is not param:
         return False
     local = param.to_local()
-    leaf = leaves.frozen
+    leaf = leaves.leaf
     if (leaf.device, leaf.dtype, leaf.shape) != (local.device, local.dtype, local.shape):
         return False
     if isinstance(local, FakeTensor):  # explain's fake shards have no memory to move

@@ -56,6 +56,9 @@ class ParamSpec:
     op: Callable[..., torch.Tensor] = field(init=False, compare=False, repr=False)
     head: tuple = field(init=False, compare=False, repr=False)
     tail: tuple = field(init=False, compare=False, repr=False)
+    # The parameter's requires_grad as a traced forward reads it (leaves.tracing_sync), set
+    # once the parameter exists.
+    trainable: Callable[[], bool] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         shape = (self.world_size,) if self.dim0 < 0 else (self.world_size, self.dim0, self.reshard)
@@ -94,19 +97,19 @@ _as_shards = 0
 
 
 def _annotate(module: nn.Module, name: str) -> torch.Tensor:
-    param = module._parameters[name]
     if _as_shards:
-        return param
+        return module._parameters[name]
     spec = module._autoshard_specs[name]
-    # The shard as a plain tensor (see autoshard.runtime.leaves): tracing sees no DTensor. While
-    # compiling, the leaves built at shard time (and kept current by _apply); eagerly, checked.
-    found = getattr(module, leaves.LEAVES)[name] if torch.compiler.is_compiling() else leaves.leaves_of(module, name)
-    if param.requires_grad:
-        # A Python constant that Dynamo guards on: one compiled variant per setting.
-        local, sink = found.trainable, None if getattr(module, grad_sync.SYNC) else getattr(module, grad_sync.SINKS)[name]
+    # The shard as a plain tensor (see autoshard.runtime.leaves): tracing sees no DTensor, not
+    # even to read requires_grad, which costs Dynamo a DTensor input per parameter.
+    if torch.compiler.is_compiling():
+        trainable, leaf = spec.trainable(), getattr(module, leaves.LEAVES)[name].leaf
     else:
-        local, sink = found.frozen, None
-    return spec.op(local, *spec.head, sink, *spec.tail)
+        leaf = leaves.synced(leaves.leaves_of(module, name))
+        trainable = leaf.requires_grad
+    # Python constants that Dynamo guards on: one compiled variant per setting.
+    sink = None if not trainable or getattr(module, grad_sync.SYNC) else getattr(module, grad_sync.SINKS)[name]
+    return spec.op(leaf, *spec.head, sink, *spec.tail)
 
 
 _subclasses: dict[tuple[type, tuple[str, ...]], type] = {}
@@ -375,6 +378,7 @@ def _install(module: nn.Module, owners: Owners, sharded: dict[int, nn.Parameter]
             new = sharded[id(old)] if id(old) in sharded else getattr(old, _SHARDED_AS, old)
             if new is not old:
                 setattr(old, _SHARDED_AS, new)
+            object.__setattr__(spec, "trainable", leaves.tracing_sync(new))
             setattr(new, _SPEC, spec)
             mod._parameters[name] = new
         mod._autoshard_specs = {**getattr(mod, "_autoshard_specs", {}), **specs}
