@@ -16,6 +16,7 @@ import torch._inductor.config as inductor_config
 import torch._inductor.fx_passes.overlap_preserving_bucketer as overlap_bucketer
 import torch._inductor.fx_passes.overlap_scheduling as overlap_scheduling
 import torch.utils._runtime_estimation as runtime_estimation
+from torch._dispatch.python import no_python_dispatcher
 from torch._dynamo import lookup_backend
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.utils import counters as dynamo_counters
@@ -53,6 +54,7 @@ __all__ = [
     "fake_from_meta",
     "fake_view",
     "compile_fx",
+    "copy_graph",
     "compile_fx_inner",
     "functorch_config",
     "inductor_config",
@@ -60,6 +62,7 @@ __all__ = [
     "boxed",
     "min_cut_rematerialization_partition",
     "must_recompute",
+    "no_python_dispatcher",
     "optimization_hint",
     "recompute_region",
     "register_backend",
@@ -84,6 +87,17 @@ def fake_from_meta(fake_mode: FakeTensorMode, meta: torch.Tensor, device: torch.
     """A fake tensor of ``fake_mode`` on ``device`` with ``meta``'s shape, strides and dtype:
     what the fake mode itself makes of a meta kernel's output, without its dispatch."""
     return fake_mode.fake_tensor_converter.from_meta_and_device(fake_mode, meta, device)
+
+
+def copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
+    """A copy of ``graph``: new nodes with the same targets, arguments and (shallow-copied)
+    meta, so they share their fake values; the same code generator (how the graph's inputs
+    and outputs are laid out) and the output's meta."""
+    new = torch.fx.Graph()
+    out = new.output(new.graph_copy(graph, {}))
+    out.meta = dict(graph.output_node().meta)
+    new._codegen = graph._codegen
+    return new
 
 
 def fake_view(fake_mode: FakeTensorMode, target: Any, args: tuple, device: torch.device) -> FakeTensor:

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import functools
 import heapq
-from contextlib import contextmanager
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
@@ -27,23 +26,6 @@ GATHERED = "autoshard_gathered"  # on a copy-out node: its output is (part of) a
 def val(node: Any) -> Any:
     """The fake value of a node (or the constant itself)."""
     return node.meta["val"] if isinstance(node, fx.Node) else node
-
-
-_on_meta = False  # inside meta_values()
-
-
-@contextmanager
-def meta_values(gm: fx.GraphModule) -> Iterator[None]:
-    """Inside, :func:`call` computes a new node's value on the meta device rather than with
-    fake tensors (about 30x faster): for graphs that are only measured, never compiled (the
-    bucket planner's trial copies). A graph with symbolic shapes keeps fake values."""
-    global _on_meta
-    static = all(_static(v) for n in gm.graph.nodes for v in tensors(n.meta.get("val")))
-    before, _on_meta = _on_meta, static
-    try:
-        yield
-    finally:
-        _on_meta = before
 
 
 def _static(v: torch.Tensor) -> bool:
@@ -85,9 +67,6 @@ def call(graph: fx.Graph, target: Any, *args: Any) -> fx.Node:
     node = graph.call_function(target, args)
     # map_arg, not a pytree map: it visits only the nodes.
     fake_args = fx.node.map_arg(args, val)
-    if _on_meta:
-        node.meta["val"] = _on_meta_device(target, fake_args)
-        return node
     inputs = [v for v in map(val, node.all_input_nodes) if isinstance(v, torch.Tensor)]
     fake, device, how = inputs[0].fake_mode, inputs[0].device, _how(target)
     if how == "fake" or not all(map(_static, inputs)):

@@ -149,6 +149,7 @@ def schedule_overlap(
     input_copied: Callable[[fx.Node], bool] = never,
     output_at_wait: Collection[str] = (),
     plan: SchedulePlan | None = None,
+    only_plan: bool = False,
 ) -> fx.GraphModule:
     """Reorder a bucketed forward or backward graph so communication hides behind compute.
 
@@ -176,14 +177,14 @@ def schedule_overlap(
     ``reference_blocking``: its collectives block their caller (FSDP2 eager on gloo), so its
     peak counts their buffers freed at the wait even under ``late_release``. ``plan``: take
     these decisions (a plan found earlier on the same graph), no search. The plan is in
-    ``gm.meta[PLAN]``. Numerics unchanged; deterministic (graph structure, shapes and the cost
-    functions).
+    ``gm.meta[PLAN]``; ``only_plan``: find it, leave the order as it is. Numerics unchanged;
+    deterministic (graph structure, shapes and the cost functions).
     """
     compute_time, collective_time = functools.cache(compute_time), functools.cache(collective_time)  # each plan re-times every node
     g = _Graph(gm, compute_time)
     if plan is not None:
         gm.meta[PLAN] = plan
-        return reorder(gm, g.priorities(plan))
+        return gm if only_plan else reorder(gm, g.priorities(plan))
     fast = [g.hiding_distance(j, collective_time(x.node), max_prefetch) for j, x in enumerate(g.gathers)]
     if max_inflight_bytes is not None:
         fast = _capped(g, fast, max_inflight_bytes)
@@ -234,7 +235,7 @@ def schedule_overlap(
     else:
         plan = evaluate(plan)
     gm.meta[PLAN] = plan
-    return reorder(gm, g.priorities(plan))
+    return gm if only_plan else reorder(gm, g.priorities(plan))
 
 
 def _fit(g: _Graph, plan: SchedulePlan, budget: int, evaluate: Callable[[SchedulePlan], SchedulePlan]) -> SchedulePlan:

@@ -399,7 +399,7 @@ def test_bucket_plan_splits_buckets_only_when_the_budget_stops_block_buckets_pre
     def schedule(gm: fx.GraphModule, budget: int | None) -> None:
         schedule_overlap(gm, _matmuls_take_one, comm, memory_budget_bytes=budget, no_more_than=(1, 1))
 
-    mb, plan = choose_bucket_mb(stage(Stack, "forward"), schedule, None)
+    mb, plan, _ = choose_bucket_mb(stage(Stack, "forward"), schedule, None)
     blocks = _bucketed("forward")
     schedule(blocks, None)
     if split is None:
@@ -425,7 +425,7 @@ def test_bucket_plan_meets_a_budget_block_buckets_cannot_with_smaller_ones():
     blocks = _bucketed("forward")
     schedule(blocks, None)
     budget = blocks.meta[PLAN].smallest_bytes - 1
-    mb, plan = choose_bucket_mb(stage(Stack, "forward"), schedule, budget)
+    mb, plan, chosen = choose_bucket_mb(stage(Stack, "forward"), schedule, budget)
     assert mb is not None and plan.peak_bytes <= budget
     with pytest.raises(ValueError, match="is below what this graph needs"):
         choose_bucket_mb(stage(Stack, "forward"), schedule, plan.smallest_bytes // 2)

@@ -26,7 +26,9 @@ from autoshard._compat import (
     functorch_config,
     inductor_config,
     min_cut_rematerialization_partition,
+    no_python_dispatcher,
     register_backend,
+    unset_fake_temporarily,
 )
 from autoshard.compiler import pipeline
 from autoshard.compiler.consistency import reports_compile_failure
@@ -127,7 +129,6 @@ def _param_bytes(example_inputs: Sequence[Any]) -> int:
     return sum(t.numel() * t.element_size() for t in local)
 
 
-@_paused  # the backward is compiled lazily, outside autoshard_backend
 @reports_compile_failure
 def _finish(
     gm: fx.GraphModule, side: str, dump: GraphDump, opts: Options, param_bytes: int, inference: bool = False
@@ -140,7 +141,11 @@ def _finish(
     ctx = pipeline.Context(opts, side, compute_time, comm_time, workspace=workspace(profile), param_bytes=param_bytes,
                            input_copied=input_copied(profile), **gloo, fsdp2_policy=profile.fsdp2_policy(side),
                            fsdp2_blocking=profile.fsdp2_blocking)
-    pipeline.run(pipeline.PARTITIONED, gm, ctx, dump.write)
+    # Outside the compile's fake mode and Python dispatcher: every torch call in the passes
+    # would go through them (a view of a meta tensor: 75x slower). The passes build fake
+    # values with their inputs' fake mode.
+    with unset_fake_temporarily(), no_python_dispatcher():
+        pipeline.run(pipeline.PARTITIONED, gm, ctx, dump.write)
     if side == "backward" or inference:
         dump.write_report(_profile(gm, opts))
     return gm
@@ -169,6 +174,7 @@ def _compile(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict | 
     with functorch_config.patch(joint_custom_pass=joint_pass, enable_autograd_cache=False):
         if opts.compiler == "inductor":
 
+            @_paused  # the backward is compiled lazily, outside autoshard_backend
             def inner_compile(g: fx.GraphModule, inputs: Sequence[Any], **kwargs: Any) -> Any:
                 side = "backward" if kwargs.get("is_backward") else "forward"
                 g = _finish(g, side, dump, opts, param_bytes, kwargs.get("is_inference", False))
@@ -181,7 +187,8 @@ def _compile(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict | 
             return compile_fx(gm, example_inputs, inner_compile=inner_compile)
 
         def compiler(side: str, inference: bool = False) -> Callable:
-            return lambda g, _inputs: boxed(_finish(g, side, dump, opts, param_bytes, inference))
+            # Paused: the backward is compiled lazily, outside autoshard_backend.
+            return _paused(lambda g, _inputs: boxed(_finish(g, side, dump, opts, param_bytes, inference)))
 
         # No decompositions: aot_eager runs the same ATen kernels as eager, bit for bit.
         return aot_autograd(

@@ -7,7 +7,8 @@ prefetched bucket holds (its gathered bytes, their copy-in and, on gloo, a works
 shrinks with the bucket, for one more collective's latency per split. :func:`choose_bucket_mb`
 schedules the block buckets, and only if the budget forced that plan, halves and quarters of
 the largest bucket, each on a copy of the graph, and keeps the fastest that fits (of those
-within 2% of it, the one that holds least).
+within 2% of it, the one that holds least). The chosen copy, bucketed but not yet reordered,
+is the graph the pipeline goes on with: nothing is bucketed twice.
 
 Deterministic, from graph structure and the cost model: every rank makes the same choice.
 """
@@ -17,18 +18,21 @@ from typing import Callable
 
 from torch import fx
 
+from autoshard._compat import copy_graph
 from autoshard.passes import bucket_collectives
-from autoshard.passes.graph_utils import collective_kind, meta_values, nbytes
+from autoshard.passes.graph_utils import collective_kind, nbytes
 from autoshard.passes.schedule import PLAN, SchedulePlan
 
 SPLITS = (2, 4)  # candidate buckets: the largest block bucket cut into this many parts
 TIES = 0.02  # step times within 2% of the fastest count as equal (run-to-run noise is larger): the smallest peak wins
-# schedule(graph, budget_bytes or None for the default) schedules a bucketed graph in place.
+# schedule(graph, budget_bytes or None for the default) finds a bucketed graph's plan and
+# records it in graph.meta[PLAN], leaving the order as it is.
 Schedule = Callable[[fx.GraphModule, "int | None"], None]
 
 
 class _Trial(fx.GraphModule):
-    """A graph that is measured, never run: no Python code is generated for it."""
+    """A graph that is measured and, if chosen, handed back: no Python code is generated for
+    it here (the graph it joins recompiles)."""
 
     def recompile(self) -> None:
         return None
@@ -36,11 +40,7 @@ class _Trial(fx.GraphModule):
 
 def _bucketed(gm: fx.GraphModule, bucket_mb: float | None) -> fx.GraphModule:
     # A copy sharing the nodes' values (a deep copy would copy every fake tensor).
-    graph = fx.Graph()
-    graph.output(graph.graph_copy(gm.graph, {}))
-    trial = _Trial(gm, graph)
-    with meta_values(trial):  # a trial is only measured: meta values, not fake ones
-        return bucket_collectives(trial, bucket_mb)
+    return bucket_collectives(_Trial(gm, copy_graph(gm.graph)), bucket_mb)
 
 
 def _trial(gm: fx.GraphModule, bucket_mb: float | None, schedule: Schedule, budget: int | None) -> fx.GraphModule:
@@ -49,13 +49,18 @@ def _trial(gm: fx.GraphModule, bucket_mb: float | None, schedule: Schedule, budg
     return trial
 
 
-def choose_bucket_mb(gm: fx.GraphModule, schedule: Schedule, budget: int | None) -> tuple[float | None, SchedulePlan]:
-    """(bucket cap in MiB, None for block buckets; the schedule's plan for it) for a lowered
-    graph. ``budget``: the user's, or None for the default (FSDP2's peak on the block
-    buckets: a split must fit that, not the smaller peak FSDP2's policy has on split buckets).
+Choice = tuple["float | None", "SchedulePlan | None", fx.GraphModule]
+
+
+def choose_bucket_mb(gm: fx.GraphModule, schedule: Schedule, budget: int | None) -> Choice:
+    """(bucket cap in MiB, None for block buckets; the schedule's plan for it; ``gm``'s
+    graph bucketed at that cap, in its order before scheduling) for a lowered graph.
+    ``budget``: the user's, or None for the default (FSDP2's peak on the block buckets: a
+    split must fit that, not the smaller peak FSDP2's policy has on split buckets).
     ValueError when a user's budget fits no candidate (the one of the smallest buckets); the
     default always has a plan (block buckets, as close to FSDP2's peak as they come). The
-    plan is the one to schedule the graph bucketed at that cap with (no second search)."""
+    plan is the one to schedule the bucketed graph with (no second search). ``gm`` is left
+    as it is."""
     default = budget is None
     plan: SchedulePlan | None = None
     try:
@@ -67,22 +72,23 @@ def choose_bucket_mb(gm: fx.GraphModule, schedule: Schedule, budget: int | None)
     else:
         plan = blocks.meta[PLAN]
         if not plan.forced:  # the fastest plan fits: nothing to gain from splitting
-            return None, plan
+            return None, plan, blocks
         budget = plan.reference_bytes if budget is None else budget
     sizes = [nbytes(n) for n in blocks.graph.nodes if collective_kind(n) == "all_gather"]
-    fitting: list[tuple[float | None, SchedulePlan]] = [(None, plan)] if plan is not None and plan.peak_bytes <= budget else []
+    fitting: list[Choice] = [(None, plan, blocks)] if plan is not None and plan.peak_bytes <= budget else []
     error = None
     for parts in SPLITS if sizes else ():
         mb = max(sizes) / parts / 2**20
         try:
-            fitting.append((mb, _trial(gm, mb, schedule, budget).meta[PLAN]))
+            trial = _trial(gm, mb, schedule, budget)
+            fitting.append((mb, trial.meta[PLAN], trial))
         except ValueError as e:
             error = e
     if not fitting:
         if default or error is None:  # the default: block buckets, as close to FSDP2's peak as they come
-            return None, plan
+            return None, plan, blocks
         raise error
     # The fastest, unless one within TIES of its time holds less: a cost model this coarse
     # cannot tell them apart, and memory is why people shard.
-    fastest = min(p.step_time for _, p in fitting)
-    return min(((mb, p) for mb, p in fitting if p.step_time <= fastest * (1 + TIES)), key=lambda c: (c[1].peak_bytes, c[1].step_time))
+    fastest = min(c[1].step_time for c in fitting)
+    return min((c for c in fitting if c[1].step_time <= fastest * (1 + TIES)), key=lambda c: (c[1].peak_bytes, c[1].step_time))

@@ -96,7 +96,7 @@ class Stage:
 Step = Union[Pass, Stage]
 
 
-def _schedule(gm: fx.GraphModule, ctx: Context, budget: int | None, plan: Any = None) -> None:
+def _schedule(gm: fx.GraphModule, ctx: Context, budget: int | None, plan: Any = None, only_plan: bool = False) -> None:
     opts = ctx.options
     # "fsdp2": FSDP2 eager's policy on the same buckets (it prefetches the next one on GPUs).
     limits = dict(zip(("max_prefetch", "max_reduces_in_flight"), ctx.fsdp2_policy)) if opts.schedule == "fsdp2" else {}
@@ -109,7 +109,7 @@ def _schedule(gm: fx.GraphModule, ctx: Context, budget: int | None, plan: Any = 
         # Without a budget, never more memory than FSDP2 eager on this device; its policy's plan is a candidate.
         no_more_than=ctx.fsdp2_policy if opts.schedule == "autoshard" else None, reference_blocking=ctx.fsdp2_blocking,
         shards_outside=ctx.side == "backward", late_release=ctx.late_release, input_copied=ctx.input_copied or never,
-        output_at_wait=ctx.output_at_wait, plan=plan,
+        output_at_wait=ctx.output_at_wait, plan=plan, only_plan=only_plan,
     )
 
 
@@ -122,9 +122,12 @@ def _bucket(gm: fx.GraphModule, ctx: Context) -> None:
     opts = ctx.options
     ctx.bucket_mb, ctx.plan = opts.bucket_mb, None
     if opts.schedule == "autoshard" and opts.bucket_mb is None and ctx.compute_time is not None:
-        # The bucket size is the planner's to choose (autoshard.compiler.bucket_plan).
-        ctx.bucket_mb, ctx.plan = choose_bucket_mb(gm, lambda g, b: _schedule(g, ctx, b), _budget(ctx))
-    bucket_collectives(gm, ctx.bucket_mb)
+        # The bucket size is the planner's to choose (autoshard.compiler.bucket_plan); the
+        # graph it bucketed for that size is the one to go on with.
+        ctx.bucket_mb, ctx.plan, chosen = choose_bucket_mb(gm, lambda g, b: _schedule(g, ctx, b, only_plan=True), _budget(ctx))
+        gm.graph = chosen.graph
+    else:
+        bucket_collectives(gm, ctx.bucket_mb)
 
 
 def _schedule_overlap(gm: fx.GraphModule, ctx: Context) -> None:
