@@ -9,9 +9,9 @@ still see only the DTensor parameters.
 
 ``requires_grad`` is set on the DTensor parameter, where autoshard cannot see it change, and
 read from the leaf, which Dynamo guards on. It is copied over whenever a forward reads the
-parameter eagerly, while Dynamo traces it (:func:`tracing_sync`), and, for changes after
-compiling, by the compiled graph before each call (:func:`stale`; the backend then runs that
-call eagerly and Dynamo recompiles the next one).
+parameter, eagerly or while Dynamo traces it (:func:`checked_trainable`), and, for changes
+after compiling, by the compiled graph before each call (:func:`stale`; the backend then runs
+that call eagerly and Dynamo recompiles the next one).
 
 The gradient autograd accumulates into the trainable leaf is the DTensor parameter's ``.grad``:
 its local tensor *is* the leaf's ``.grad`` (:class:`_GradLink`), so accumulation adds in place
@@ -21,6 +21,7 @@ optimizers act on both at once. Leaves are rebuilt when the shard's storage chan
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
@@ -92,16 +93,23 @@ def synced(leaves: Leaves) -> nn.Parameter:
     return leaf
 
 
-def tracing_sync(param: nn.Parameter) -> Callable[[], bool]:
-    """What a traced forward calls to read ``param.requires_grad``: Dynamo runs it for real
-    while tracing (a constant result, so it traces no DTensor), and it makes the leaf's
-    ``requires_grad``, which Dynamo then guards on, the parameter's."""
+def leaf_attribute(name: str) -> str:
+    """Where a module keeps the leaf of its sharded parameter ``name`` (in its ``__dict__``:
+    one attribute read per parameter use is what Dynamo traces fastest)."""
+    return f"_autoshard_leaf_{name}"
 
-    def sync() -> bool:
-        synced(getattr(param, _ON_PARAM))
-        return param.requires_grad
 
-    return torch.compiler.assume_constant_result(sync)
+def checked_trainable(module: nn.Module, name: str) -> Callable[[], bool]:
+    """What a forward calls to read the requires_grad of ``module``'s sharded parameter
+    ``name``: it rebuilds the leaf if the shard moved and makes the leaf's requires_grad the
+    parameter's. Dynamo runs it for real while tracing (a constant result, so it traces no
+    DTensor) and then guards on the leaf."""
+    owner = weakref.ref(module)
+
+    def trainable() -> bool:
+        return synced(leaves_of(owner(), name)).requires_grad
+
+    return torch.compiler.assume_constant_result(trainable)
 
 
 Tracked = tuple[tuple[nn.Parameter, ...], tuple[nn.Parameter, ...]]  # leaves, and their parameters
@@ -144,6 +152,7 @@ def leaves_of(module: nn.Module, name: str) -> Leaves:
     if not _current(leaves, param):
         shared = getattr(param, _ON_PARAM, None)
         leaves = table[name] = shared if _current(shared, param) else _build(param)
+        module.__dict__[leaf_attribute(name)] = leaves.leaf
     return leaves
 
 

@@ -56,8 +56,8 @@ class ParamSpec:
     op: Callable[..., torch.Tensor] = field(init=False, compare=False, repr=False)
     head: tuple = field(init=False, compare=False, repr=False)
     tail: tuple = field(init=False, compare=False, repr=False)
-    # The parameter's requires_grad as a traced forward reads it (leaves.tracing_sync), set
-    # once the parameter exists.
+    # The parameter's requires_grad as a forward reads it (leaves.checked_trainable), set once
+    # the parameter exists.
     trainable: Callable[[], bool] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -96,20 +96,24 @@ class ShardedModule:
 _as_shards = 0
 
 
-def _annotate(module: nn.Module, name: str) -> torch.Tensor:
-    if _as_shards:
-        return module._parameters[name]
-    spec = module._autoshard_specs[name]
-    # The shard as a plain tensor (see autoshard.runtime.leaves): tracing sees no DTensor, not
-    # even to read requires_grad, which costs Dynamo a DTensor input per parameter.
-    if torch.compiler.is_compiling():
-        trainable, leaf = spec.trainable(), getattr(module, leaves.LEAVES)[name].leaf
-    else:
-        leaf = leaves.synced(leaves.leaves_of(module, name))
-        trainable = leaf.requires_grad
-    # Python constants that Dynamo guards on: one compiled variant per setting.
-    sink = None if not trainable or getattr(module, grad_sync.SYNC) else getattr(module, grad_sync.SINKS)[name]
-    return spec.op(leaf, *spec.head, sink, *spec.tail)
+def _getter(name: str) -> Callable[[nn.Module], torch.Tensor]:
+    """The property getter of sharded parameter ``name``: its full value, through its
+    annotation op. Dynamo inlines this for every parameter use, so it is one flat function
+    reading few attributes (an extra call level or a dict lookup cost a use ~1 ms to trace)."""
+    leaf_attribute, sync, sinks = leaves.leaf_attribute(name), grad_sync.SYNC, grad_sync.SINKS
+
+    def get(self: nn.Module) -> torch.Tensor:
+        if _as_shards:
+            return self._parameters[name]
+        spec = self._autoshard_specs[name]
+        # Checks the leaf (autoshard.runtime.leaves) and syncs its requires_grad; Dynamo runs it
+        # for real while tracing, so tracing sees no DTensor.
+        trainable = spec.trainable()
+        # Python constants that Dynamo guards on: one compiled variant per setting.
+        sink = None if not trainable or getattr(self, sync) else getattr(self, sinks)[name]
+        return spec.op(getattr(self, leaf_attribute), *spec.head, sink, *spec.tail)
+
+    return get
 
 
 _subclasses: dict[tuple[type, tuple[str, ...]], type] = {}
@@ -132,7 +136,7 @@ def _sharded_class(cls: type, names: tuple[str, ...]) -> type:
     cls = _base_of.get(cls, cls)
     key = (cls, names)
     if key not in _subclasses:
-        props: dict = {n: property(lambda self, n=n: _annotate(self, n)) for n in names}
+        props: dict = {n: property(_getter(n)) for n in names}
         props["_apply"] = _apply_keeping_leaves
         sub = type(f"Sharded{cls.__name__}", (cls, ShardedModule), props)
         _subclasses[key], _base_of[sub] = sub, cls
@@ -378,7 +382,7 @@ def _install(module: nn.Module, owners: Owners, sharded: dict[int, nn.Parameter]
             new = sharded[id(old)] if id(old) in sharded else getattr(old, _SHARDED_AS, old)
             if new is not old:
                 setattr(old, _SHARDED_AS, new)
-            object.__setattr__(spec, "trainable", leaves.tracing_sync(new))
+            object.__setattr__(spec, "trainable", leaves.checked_trainable(mod, name))
             setattr(new, _SPEC, spec)
             mod._parameters[name] = new
         mod._autoshard_specs = {**getattr(mod, "_autoshard_specs", {}), **specs}
