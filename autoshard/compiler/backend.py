@@ -107,10 +107,11 @@ def _warn_if_unsharded(example_inputs: Sequence[Any]) -> None:
 
 def _following_requires_grad(compiled: Callable, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
     """``compiled``, checking first that no parameter's requires_grad changed since Dynamo
-    traced ``gm`` (a user may freeze or unfreeze a DTensor parameter at any time, and Dynamo
-    guards only on the leaves). If one did, the leaves are synced, so the next call
-    recompiles, and this call runs ``gm`` eagerly, which reads the new setting: no step is
-    ever run with the old one. The same on every rank, since their parameters agree."""
+    traced ``gm`` (a user may freeze or unfreeze a DTensor parameter at any time, where no
+    guard sees it). If one did, the leaves are synced and ``leaves.changes`` counts it, so
+    the next call is traced anew, and this call runs ``gm`` eagerly, which reads the new
+    setting: no step is ever run with the old one. The same on every rank, since their
+    parameters agree."""
     found = leaves.tracked(example_inputs)
     if not found[0] or not isinstance(gm, fx.GraphModule):
         return compiled

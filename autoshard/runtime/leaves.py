@@ -99,34 +99,43 @@ def leaf_attribute(name: str) -> str:
     return f"_autoshard_leaf_{name}"
 
 
-def checked_trainable(module: nn.Module, name: str) -> Callable[[], bool]:
+def checked_trainable(module: nn.Module, name: str) -> Callable[[int], bool]:
     """What a forward calls to read the requires_grad of ``module``'s sharded parameter
     ``name``: it rebuilds the leaf if the shard moved and makes the leaf's requires_grad the
     parameter's. Dynamo runs it for real while tracing (a constant result, so it traces no
     DTensor) and then guards on the leaf."""
     owner = weakref.ref(module)
 
-    def trainable() -> bool:
+    def trainable(changes_seen: int) -> bool:  # changes_seen: :data:`changes`, for Dynamo's guard
         return synced(leaves_of(owner(), name)).requires_grad
 
     return torch.compiler.assume_constant_result(trainable)
 
 
-Tracked = tuple[tuple[nn.Parameter, ...], tuple[nn.Parameter, ...]]  # leaves, and their parameters
+# How many times a compiled graph found a parameter's requires_grad changed since it was
+# traced. Every traced parameter read passes it to :func:`checked_trainable`'s call, so Dynamo
+# guards on it and retraces after a change (not every torch release guards on a graph input's
+# requires_grad, which the leaf alone would rely on).
+changes = 0
+
+Tracked = tuple[tuple[nn.Parameter, ...], tuple[bool, ...]]  # parameters, and requires_grad when traced
 
 
 def tracked(inputs: Sequence[Any]) -> Tracked:
-    """The leaves among a compiled graph's inputs, with their parameters."""
+    """The parameters whose leaves are among a compiled graph's inputs, with the
+    ``requires_grad`` the graph was traced with."""
     found = [x for x in inputs if getattr(x, "_autoshard_leaf", False)]
-    return tuple(found), tuple(x._autoshard_param for x in found)
+    return tuple(x._autoshard_param for x in found), tuple(x.requires_grad for x in found)
 
 
-def stale(leaves: Tracked) -> bool:
-    """Whether a parameter's ``requires_grad`` changed since its leaf was traced; syncs the
-    leaves when so (Dynamo's guard on them then fails: the next call recompiles)."""
-    found, params = leaves
-    if all(leaf.requires_grad == param.requires_grad for leaf, param in zip(found, params)):
+def stale(graph: Tracked) -> bool:
+    """Whether a parameter's ``requires_grad`` changed since the graph was traced. If so, the
+    leaves are synced and :data:`changes` counts it, so Dynamo traces the next call anew."""
+    global changes
+    params, traced = graph
+    if all(param.requires_grad == was for param, was in zip(params, traced)):
         return False
+    changes += 1
     for param in params:
         synced(getattr(param, _ON_PARAM))
     return True

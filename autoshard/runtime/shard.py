@@ -58,7 +58,7 @@ class ParamSpec:
     tail: tuple = field(init=False, compare=False, repr=False)
     # The parameter's requires_grad as a forward reads it (leaves.checked_trainable), set once
     # the parameter exists.
-    trainable: Callable[[], bool] | None = field(default=None, compare=False, repr=False)
+    trainable: Callable[[int], bool] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         shape = (self.world_size,) if self.dim0 < 0 else (self.world_size, self.dim0, self.reshard)
@@ -108,7 +108,7 @@ def _getter(name: str) -> Callable[[nn.Module], torch.Tensor]:
         spec = self._autoshard_specs[name]
         # Checks the leaf (autoshard.runtime.leaves) and syncs its requires_grad; Dynamo runs it
         # for real while tracing, so tracing sees no DTensor.
-        trainable = spec.trainable()
+        trainable = spec.trainable(leaves.changes)
         # Python constants that Dynamo guards on: one compiled variant per setting.
         sink = None if not trainable or getattr(self, sync) else getattr(self, sinks)[name]
         return spec.op(getattr(self, leaf_attribute), *spec.head, sink, *spec.tail)
