@@ -80,3 +80,22 @@ def test_the_captured_graph_has_no_dtensor_input():
     step = compile_step("gpt")
     placeholders = [n for n in step.only("captured").graph.nodes if n.op == "placeholder"]
     assert placeholders and not any(isinstance(n.meta.get("example_value"), DTensor) for n in placeholders)
+
+
+def test_a_deep_copy_reads_its_own_shards_and_trainability():
+    """A copy (an EMA model, say) checks and syncs its own leaves, not the original's."""
+    import copy
+
+    with fake_world(1):
+        torch.manual_seed(0)
+        model = autoshard.shard(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)))
+        twin = copy.deepcopy(model)
+        x = torch.randn(3, 4)
+        assert torch.equal(model(x), twin(x))
+        for param in twin.parameters():
+            param.requires_grad_(False)
+        with torch.no_grad():
+            for param in twin.parameters():
+                param.zero_()
+        assert twin(x).abs().sum() == 0 and model(x).abs().sum() > 0  # the copy's shards, not the original's
+        assert not _leaves(twin[0]).leaf.requires_grad and _leaves(model[0]).leaf.requires_grad

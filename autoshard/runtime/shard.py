@@ -18,6 +18,7 @@ in ``module._parameters``.
 """
 from __future__ import annotations
 
+import copy
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -70,6 +71,17 @@ class ParamSpec:
 
 class ShardedModule:
     """Mixed into the class of every module ``shard`` touches (like FSDP2's ``FSDPModule``)."""
+
+    def __deepcopy__(self, memo: dict) -> nn.Module:
+        # nn.Module's own deep copy, then each parameter's trainability check pointed at the
+        # copy: it holds its module, and a copied check would read the original's leaves.
+        cls = type(self)
+        copied = cls.__new__(cls)
+        memo[id(self)] = copied
+        copied.__setstate__(copy.deepcopy(self.__dict__, memo))
+        for name, spec in getattr(copied, "_autoshard_specs", {}).items():
+            object.__setattr__(spec, "trainable", leaves.checked_trainable(copied, name))
+        return copied
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """Whether backward reduces gradients across ranks (default True).
