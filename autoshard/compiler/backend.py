@@ -118,13 +118,8 @@ def _following_requires_grad(compiled: Callable, gm: fx.GraphModule, example_inp
 
     @functools.wraps(compiled)
     def run(*args: Any) -> Any:
-        if not leaves.stale(found):
-            return compiled(*args)
-        if len(args) == 1 and type(args[0]) is list:  # boxed: one list of inputs (never a graph input), which the callee empties
-            inputs = list(args[0])
-            args[0].clear()
-            return gm(*inputs)
-        return gm(*args)
+        # Dynamo calls a GraphModule's compiled function with the graph's inputs unboxed.
+        return compiled(*args) if not leaves.stale(found) else gm(*args)
 
     return run
 

@@ -103,7 +103,7 @@ def checked_trainable(module: nn.Module, name: str) -> Callable[[int], bool]:
     """What a forward calls to read the requires_grad of ``module``'s sharded parameter
     ``name``: it rebuilds the leaf if the shard moved and makes the leaf's requires_grad the
     parameter's. Dynamo runs it for real while tracing (a constant result, so it traces no
-    DTensor) and then guards on the leaf."""
+    DTensor); its argument, :data:`changes`, is what Dynamo guards on."""
     owner = weakref.ref(module)
 
     def trainable(changes_seen: int) -> bool:  # changes_seen: :data:`changes`, for Dynamo's guard

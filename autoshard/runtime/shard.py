@@ -79,8 +79,7 @@ class ShardedModule:
         copied = cls.__new__(cls)
         memo[id(self)] = copied
         copied.__setstate__(copy.deepcopy(self.__dict__, memo))
-        for name, spec in getattr(copied, "_autoshard_specs", {}).items():
-            object.__setattr__(spec, "trainable", leaves.checked_trainable(copied, name))
+        _attach_trainability_checks(copied)
         return copied
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
@@ -386,6 +385,13 @@ def _plan(
     return layouts, owners
 
 
+def _attach_trainability_checks(module: nn.Module) -> None:
+    """Give each of ``module``'s specs the check a forward calls (leaves.checked_trainable);
+    it holds ``module``, so a copy of the module needs its own."""
+    for name, spec in getattr(module, "_autoshard_specs", {}).items():
+        object.__setattr__(spec, "trainable", leaves.checked_trainable(module, name))
+
+
 def _install(module: nn.Module, owners: Owners, sharded: dict[int, nn.Parameter], mixed_precision: MixedPrecision | None) -> None:
     """Put the new parameters in place and move each owner to its sharded class."""
     for mod, specs in owners:
@@ -394,12 +400,12 @@ def _install(module: nn.Module, owners: Owners, sharded: dict[int, nn.Parameter]
             new = sharded[id(old)] if id(old) in sharded else getattr(old, _SHARDED_AS, old)
             if new is not old:
                 setattr(old, _SHARDED_AS, new)
-            object.__setattr__(spec, "trainable", leaves.checked_trainable(mod, name))
             setattr(new, _SPEC, spec)
             mod._parameters[name] = new
         mod._autoshard_specs = {**getattr(mod, "_autoshard_specs", {}), **specs}
         for name in specs:
             leaves.leaves_of(mod, name)
+        _attach_trainability_checks(mod)
         _reclass(mod)
         setattr(mod, grad_sync.SYNC, getattr(mod, grad_sync.SYNC, True))
     _reclass(module)
