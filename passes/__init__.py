@@ -5,10 +5,10 @@ Installed as ``autoshard.passes``. Their order, stages and schedules are declare
 merge_shared_parameters then lower_annotations; on each
 partitioned graph, bucket_collectives then schedule_overlap (or PyTorch's own scheduler,
 inductor_schedule, as a baseline), then over gloo gathers_into_buffers and, for graphs run
-op by op, reductions_in_place and free_collective_buffers.
+op by op, reductions_by_exchange and free_collective_buffers.
 """
 from .bucket import bucket_collectives, plan_buckets
-from .gloo import free_collective_buffers, gathers_into_buffers, reductions_in_place
+from .gloo import free_collective_buffers, gathers_in_place, gathers_into_buffers, reductions_by_exchange
 from .inductor_schedule import inductor_schedule
 from .lower import lower_annotations
 from .merge_shared import merge_shared_parameters
@@ -17,11 +17,12 @@ from .schedule import schedule_overlap
 __all__ = [
     "bucket_collectives",
     "free_collective_buffers",
+    "gathers_in_place",
     "gathers_into_buffers",
     "inductor_schedule",
     "lower_annotations",
     "merge_shared_parameters",
     "plan_buckets",
-    "reductions_in_place",
+    "reductions_by_exchange",
     "schedule_overlap",
 ]

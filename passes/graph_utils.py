@@ -110,7 +110,9 @@ _KIND_OF = {
     c10d.reduce_scatter_tensor.default: "reduce_scatter",
     c10d.reduce_scatter_tensor_coalesced.default: "reduce_scatter",
     c10d.all_reduce.default: "all_reduce",
-    c10d.all_reduce_.default: "all_reduce",  # in place: what passes/gloo.py runs reduce-scatters as
+    c10d.all_reduce_.default: "all_reduce",
+    # What passes/gloo.py runs reduce-scatters as: the same bytes moved, then a local sum.
+    c10d.all_to_all_single.default: "reduce_scatter",
     c10d.all_reduce_coalesced.default: "all_reduce",
 }
 
@@ -121,9 +123,18 @@ def collective_kind(node: fx.Node) -> str | None:
     return _KIND_OF.get(node.target) if node.op == "call_function" else None
 
 
+def is_exchange(node: fx.Node) -> bool:
+    """An all-to-all: a reduce-scatter's bytes, without the staging copy gloo makes of a
+    reduce-scatter's input (passes/gloo.py)."""
+    return node.op == "call_function" and node.target is c10d.all_to_all_single.default
+
+
 def out_buffer(node: fx.Node) -> fx.Node | None:
     """The buffer a collective writes into and returns (its ``out``; its input for an in-place
-    all-reduce); None for an out-of-place collective or anything else."""
+    all-reduce), or the ``out`` of ``cat.out`` (passes/gloo.py concatenates shards into a
+    gather's buffer); None for an out-of-place collective or anything else."""
+    if node.op == "call_function" and node.target is torch.ops.aten.cat.out:
+        return node.kwargs["out"]
     if node.op != "call_function" or collective_kind(node) is None:
         return None
     out = node.args[0] if node.target is c10d.all_reduce_.default else node.kwargs.get("out")

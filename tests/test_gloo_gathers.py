@@ -1,7 +1,7 @@
 """Over gloo, every gather the backend compiles writes into a buffer (gloo's out-of-place gather
 corrupts the heap with several in flight: passes/gloo.py; bench/gloo_gathers.py shows it), and
-the graph frees its gather buffers itself; bucketed reduce-scatters become the in-place
-all-reduces gloo runs them as, on the graph's own buffers.
+the graph frees its gather buffers itself; bucketed reduce-scatters become all-to-alls and a
+mean over the ranks (the bytes of a reduce-scatter, where gloo's own moves an all-reduce's).
 The numerics tests train through these graphs: the results stay exact."""
 from __future__ import annotations
 
@@ -35,5 +35,5 @@ def test_compiled_graphs_on_gloo_gather_into_buffers(tmp_path):
             assert "all_gather_into_tensor_out" in source, side
             assert "all_gather_into_tensor.default(" not in source, side  # no out-of-place gather is left
             assert "resize_storage_bytes_" in source, side  # the graph frees the gather buffers itself
-        backward = stages["backward"]  # its bucketed reduce-scatters reduce in place, as gloo would a clone
-        assert "all_reduce_.default(" in backward and "reduce_scatter_tensor.default(" not in backward
+        backward = stages["backward"]
+        assert "all_to_all_single.default(" in backward and "reduce_scatter_tensor.default(" not in backward

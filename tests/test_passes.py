@@ -8,7 +8,7 @@ sequence of communication and compute nodes with the one its docstring draws. No
     un(p) / rg(p)    autoshard::unshard / reduce_grad annotation of parameter p
     ag / rs (p+q)    all_gather_into_tensor / reduce_scatter_tensor moving p and q
     ag_out(p)        all_gather_into_tensor_out: the gather of p into a buffer
-    ar_(p)           all_reduce_: p's gradients reduced in place
+    a2a(p)           all_to_all_single: p's gradients exchanged, as a reduce-scatter over gloo
     empty / free     a buffer allocated (aten.empty) / its storage freed (resize_storage_bytes_ to 0)
     wait(p+q)        wait_tensor of that collective
     mm  ln  ln_bw  add   matmul (mm, addmm), layer norm forward / backward, add
@@ -33,22 +33,23 @@ from autoshard.compiler.bucket_plan import choose_bucket_mb
 from autoshard.passes import (
     bucket_collectives,
     free_collective_buffers,
+    gathers_in_place,
     gathers_into_buffers,
     lower_annotations,
     merge_shared_parameters,
-    reductions_in_place,
+    reductions_by_exchange,
     schedule_overlap,
 )
 from autoshard.passes.graph_utils import PARAMS, collective_kind, is_op, nbytes
 from autoshard.passes.schedule import PLAN
-from autoshard.passes.step_model import peak_bytes, release_points, step_time
+from autoshard.passes.step_model import Storages, peak_bytes, release_points, step_time
 
 from fake_pg import compile_step
 
 WORLD = 4
 annotations = torch.ops.autoshard
 COLLECTIVES = {c10d.all_gather_into_tensor.default: "ag", c10d.all_gather_into_tensor_out.default: "ag_out",
-               c10d.reduce_scatter_tensor.default: "rs", c10d.all_reduce_.default: "ar_"}
+               c10d.reduce_scatter_tensor.default: "rs", c10d.all_to_all_single.default: "a2a"}
 COMPUTE = {"mm": "mm", "addmm": "mm", "native_layer_norm": "ln", "native_layer_norm_backward": "ln_bw", "add": "add",
            "empty": "empty", "resize_storage_bytes_": "free"}
 
@@ -527,6 +528,39 @@ def test_gathers_over_gloo_write_into_buffers(drawing):
     assert peak == peak_bytes([n for n in _bucketed("forward").graph.nodes if n.op != "output"])[0]  # the buffer is the result
 
 
+def test_gathers_over_gloo_concatenate_the_shards_into_this_ranks_part_of_the_buffer(drawing):
+    """The cat of a bucket's shards (the gather's copy-in) writes straight into this rank's
+    rows of the gather's buffer, which is allocated where the cat was: the order of
+    collectives and compute is unchanged, one copy-in fewer is alive while a gather runs.
+
+    before: empty ag_out(0.w+0.b) wait(0.w+0.b) mm empty ag_out(1.w+1.b) wait(1.w+1.b) mm
+            empty ag_out(2.w+2.b+norm.w+norm.b) wait(2.w+2.b+norm.w+norm.b) mm ln
+    after:  empty ag_out(0.w+0.b) wait(0.w+0.b) mm empty ag_out(1.w+1.b) wait(1.w+1.b) mm
+            empty ag_out(2.w+2.b+norm.w+norm.b) wait(2.w+2.b+norm.w+norm.b) mm ln
+    """
+    forward = gathers_into_buffers(_bucketed("forward"), needed=lambda group: True)
+    assert events(forward) == drawing("before")
+    allocated = lambda gm: sum(Storages(list(gm.graph.nodes)).size.values())  # noqa: E731  every storage's bytes
+    before = allocated(forward)
+    into = c10d.all_gather_into_tensor_out.default
+    shards = {n.meta[PARAMS]: n.args[0].meta["val"].shape for n in forward.graph.find_nodes(op="call_function", target=into)}
+    gathers_in_place(forward, needed=lambda group: True, rank_of=lambda group: 1)
+    assert events(forward) == drawing("after")
+    order = {n: i for i, n in enumerate(forward.graph.nodes)}
+    for gather in forward.graph.find_nodes(op="call_function", target=into):
+        filled, buffer = gather.args[0], gather.kwargs["out"]
+        assert filled.target is torch.ops.aten.cat.out
+        mine = filled.kwargs["out"]
+        rows = shards[gather.meta[PARAMS]][0]
+        assert mine.target is torch.ops.aten.narrow.default and mine.args == (buffer, 0, rows, rows)  # rank 1's rows
+        assert order[buffer] < order[mine] < order[filled] < order[gather]
+    assert not forward.graph.find_nodes(op="call_function", target=torch.ops.aten.cat.default)
+    # The step model sees the copy-in as the buffer's: the shards' bytes are no longer allocated twice.
+    assert all(Storages(list(forward.graph.nodes)).root[g.args[0]] is g.kwargs["out"]
+               for g in forward.graph.find_nodes(op="call_function", target=into))
+    assert before - allocated(forward) == sum(torch.Size(s).numel() * 4 for s in shards.values())
+
+
 def test_the_graph_frees_its_gather_buffers_after_their_last_use(drawing):
     """After each gather's wait and copy-outs, its input (the cat of shards) and its buffer
     are freed by the graph; the shards (placeholders) never are.
@@ -558,33 +592,38 @@ def test_the_graph_frees_its_gather_buffers_after_their_last_use(drawing):
         peak_bytes([n for n in before.graph.nodes if n.op != "output"])[0]
 
 
-def test_reduce_scatters_over_gloo_reduce_in_place_and_keep_this_ranks_chunk(drawing):
-    """As gloo runs a reduce-scatter (an all-reduce of a clone, then this rank's chunk), on the
-    bucket itself: each wait is followed by a narrow to the rank's rows and a clone, which
-    takes the old result's place; the graph then frees the bucket.
+def test_reduce_scatters_over_gloo_become_all_to_alls_and_a_mean_over_ranks(drawing):
+    """A reduce-scatter as an all-to-all (the bytes of a reduce-scatter, where gloo's own moves
+    an all-reduce's): each rank receives every rank's copy of its chunk, and a mean over the
+    ranks after the wait takes the old result's place; the graph then frees the bucket and
+    what it received.
 
     before: rs(norm.b+norm.w+2.b+2.w) rs(1.b+1.w) wait(norm.b+norm.w+2.b+2.w) rs(0.b+0.w) wait(1.b+1.w) wait(0.b+0.w)
-    after:  ar_(norm.b+norm.w+2.b+2.w) ar_(1.b+1.w) wait(norm.b+norm.w+2.b+2.w) ar_(0.b+0.w) wait(1.b+1.w)
+    after:  a2a(norm.b+norm.w+2.b+2.w) a2a(1.b+1.w) wait(norm.b+norm.w+2.b+2.w) a2a(0.b+0.w) wait(1.b+1.w)
             wait(0.b+0.w)
     """
     backward = _bucketed("backward")
     schedule_overlap(backward, _matmuls_take_one, lambda n: 1.5)
     def comm(gm: fx.GraphModule) -> list[str]:  # the reductions and their waits
-        reduces = (c10d.reduce_scatter_tensor.default, c10d.all_reduce_.default)
+        reduces = (c10d.reduce_scatter_tensor.default, c10d.all_to_all_single.default)
         return [label(n) for n in gm.graph.nodes
                 if n.target in reduces or (n.target is c10d.wait_tensor.default and n.args[0].target in reduces)]
 
     assert comm(backward) == drawing("before")
     results = {n.meta[PARAMS]: n.meta["val"].shape for n in backward.graph.nodes if collective_kind(n) == "reduce_scatter"}
-    reductions_in_place(backward, needed=lambda group: True, rank_of=lambda group: 1)
+    reductions_by_exchange(backward, needed=lambda group: True)
     assert comm(backward) == drawing("after")
-    for inplace in backward.graph.find_nodes(op="call_function", target=c10d.all_reduce_.default):
-        (wait,) = inplace.users
-        narrow = next(u for u in wait.users if u.target is torch.ops.aten.narrow.default)
-        rows = results[inplace.meta[PARAMS]][0]
-        assert narrow.args[1:] == (0, rows, rows)  # rank 1's rows
-        (clone,) = narrow.users
-        assert set(wait.users) == {narrow} and clone.meta["val"].shape == results[inplace.meta[PARAMS]]
+    exchanges = backward.graph.find_nodes(op="call_function", target=c10d.all_to_all_single.default)
+    for exchange in exchanges:
+        chunk = results[exchange.meta[PARAMS]]
+        assert collective_kind(exchange) == "reduce_scatter"  # priced as one
+        assert exchange.args[1] == exchange.args[2] == [chunk[0]] * WORLD  # one chunk to and from every rank
+        (wait,) = exchange.users
+        (stacked,) = wait.users
+        assert stacked.meta["val"].shape == (WORLD, *chunk)
+        (mean,) = stacked.users
+        assert mean.target is torch.ops.aten.mean.dim and mean.args[1] == [0] and mean.meta["val"].shape == chunk
     free_collective_buffers(backward, needed=lambda group: True)
     freed = {n.args[0] for n in backward.graph.find_nodes(op="call_function", target=torch.ops.inductor.resize_storage_bytes_.default)}
-    assert all(n.args[0].args[0] in freed for n in backward.graph.find_nodes(op="call_function", target=c10d.all_reduce_.default))
+    buckets = {n.args[0].args[0] if n.args[0].target is torch.ops.aten.view.default else n.args[0] for n in exchanges}
+    assert buckets <= freed and set(exchanges) <= freed  # the buckets (the cat under a view) and what they received

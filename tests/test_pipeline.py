@@ -61,14 +61,18 @@ def test_the_report_describes_each_step_from_the_declaration():
     assert pipeline.what_happened("lowered", "backward_bucketed") == expected
     assert pipeline.what_happened("forward_bucketed", "forward") == (
         "schedule: prefetch and reorder within the memory budget, then over gloo, gathers write into buffers, reduce-scatters "
-        "reduce in place, and the graph frees their buffers after their last use"
+        "run as all-to-alls, and the graph frees their buffers after their last use"
     )
     assert pipeline.what_happened("captured", "forward").startswith("AOT autograd: traced to ATen (inference: no backward), then lower")
 
 
 def test_the_memory_model_follows_what_the_gloo_pass_does():
-    """Graphs run op by op over gloo reduce in place (result at the wait) and free their
-    buffers; Inductor's leave them to gloo's thread (late); other backends change nothing."""
-    assert pipeline.gloo_memory((), True, "aot_eager") == {"late_release": (), "output_at_wait": ("reduce_scatter",)}
-    assert pipeline.gloo_memory((), True, "inductor") == {"late_release": ("all_gather", "reduce_scatter"), "output_at_wait": ()}
-    assert pipeline.gloo_memory((), False, "aot_eager") == {"late_release": (), "output_at_wait": ()}
+    """Over gloo reduce-scatters become all-to-alls, which read their input until the wait;
+    graphs run op by op make the result at the wait and free their buffers; Inductor's leave
+    them to gloo's thread (late); other backends change nothing."""
+    copied = ("reduce_scatter",)
+    assert pipeline.gloo_memory((), copied, "aot_eager") == {
+        "late_release": (), "output_at_wait": ("reduce_scatter",), "input_copied": ()}
+    assert pipeline.gloo_memory((), copied, "inductor") == {
+        "late_release": ("all_gather", "reduce_scatter"), "output_at_wait": (), "input_copied": ()}
+    assert pipeline.gloo_memory((), (), "aot_eager") == {"late_release": (), "output_at_wait": (), "input_copied": ()}

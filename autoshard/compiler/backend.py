@@ -148,9 +148,9 @@ def _finish(
     backward graph, writing its stages (and the report once the graph's last stage is done)."""
     profile = _profile(gm, opts)
     compute_time, comm_time = estimators(profile)
-    gloo = pipeline.gloo_memory(profile.comm_release_late, bool(profile.comm_input_copied), opts.compiler)
+    gloo = pipeline.gloo_memory(profile.comm_release_late, profile.comm_input_copied, opts.compiler)
     ctx = pipeline.Context(opts, side, compute_time, comm_time, workspace=workspace(profile), param_bytes=param_bytes,
-                           input_copied=input_copied(profile), **gloo, fsdp2_policy=profile.fsdp2_policy(side),
+                           input_copied=input_copied(gloo.pop("input_copied")), **gloo, fsdp2_policy=profile.fsdp2_policy(side),
                            fsdp2_blocking=profile.fsdp2_blocking)
     # Outside the compile's fake mode and Python dispatcher: every torch call in the passes
     # would go through them (a view of a meta tensor: 75x slower). The passes build fake

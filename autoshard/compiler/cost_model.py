@@ -16,8 +16,18 @@ import torch.distributed as dist
 from torch import fx
 from torch.utils.flop_counter import flop_registry
 
-from autoshard._compat import optimization_hint
-from autoshard.passes.graph_utils import COLLECTIVE_KINDS, arg, collective_kind, group_ranks, is_view, is_wait, tensor_bytes, tensors
+from autoshard._compat import c10d, optimization_hint
+from autoshard.passes.graph_utils import (
+    COLLECTIVE_KINDS,
+    arg,
+    collective_kind,
+    group_ranks,
+    is_exchange,
+    is_view,
+    is_wait,
+    tensor_bytes,
+    tensors,
+)
 
 aten = torch.ops.aten
 
@@ -128,7 +138,9 @@ def _dgx(name: str, bf16: float, tf32: float, hbm: float, nvlink: Link, infiniba
 
 # gloo's all_gather_into_tensor and reduce_scatter_tensor allocate a temporary as large as the
 # full buffer for as long as they run (torch.profiler memory events, 2 CPU ranks, a 16 MiB
-# buffer: 16 MiB each; all_reduce works in place).
+# buffer: 16 MiB each; all_reduce works in place). Over gloo the graphs run reduce-scatters as
+# all-to-alls (passes/gloo.py): the output they receive into is as large, and the input is read
+# until the wait (pipeline.gloo_memory).
 GLOO_WORKSPACE = {"all_gather": 1.0, "reduce_scatter": 1.0}
 GLOO_INPUT_COPIED = ("reduce_scatter",)  # the staged copy above is a clone of the input
 GLOO_RELEASE_LATE = ("all_gather", "reduce_scatter")  # what gloo's thread frees when it gets round to it
@@ -151,7 +163,10 @@ PROFILES: dict[str, DeviceProfile] = {
                  "NVIDIA A100 SXM4 datasheet; NVIDIA DGX A100 user guide"),
     # The 2-core development machine, gloo over loopback, 2 ranks of 1 thread each: rounded
     # from `python -m autoshard calibrate --world-sizes 2` on a quiet machine (figures move by
-    # up to 2x while other jobs share the cores).
+    # up to 2x while other jobs share the cores). reduce_scatter is gloo's run as an
+    # all-to-all and a mean (passes/gloo.py), scaled from all_gather by the ratio a calibration
+    # of that form measured on 2026-12-01 (latency 0.91x, bandwidth 0.93x all_gather's; gloo's
+    # own reduce-scatter, an all-reduce of a copy: 1.25x and 0.69x).
     "cpu": DeviceProfile(
         name="cpu",
         peak_flops={"float32": 37e9, "bfloat16": 1.3e9, "float16": 1.6e9},
@@ -161,8 +176,8 @@ PROFILES: dict[str, DeviceProfile] = {
         ranks_per_node=1024,
         intra=Link(
             "gloo-loopback",
-            latency={"all_gather": 570e-6, "reduce_scatter": 710e-6, "all_reduce": 350e-6},
-            bandwidth={"all_gather": 0.42e9, "reduce_scatter": 0.29e9, "all_reduce": 0.83e9},
+            latency={"all_gather": 570e-6, "reduce_scatter": 520e-6, "all_reduce": 350e-6},
+            bandwidth={"all_gather": 0.42e9, "reduce_scatter": 0.39e9, "all_reduce": 0.83e9},
         ),
         source="measured by python -m autoshard calibrate on the 2-core development VM, 2026-11-29, torch 2.13.0+cpu",
         comm_overlap=0.64,
@@ -301,6 +316,12 @@ def collective_time(kind: str, nbytes: int, ranks: int | Sequence[int], profile:
     return 2 * ring if kind == "all_reduce" else ring
 
 
+def _group_size(node: fx.Node) -> int:
+    if node.target is c10d.all_to_all_single.default:  # one chunk per rank
+        return len(arg(node, "output_split_sizes"))
+    return arg(node, "group_size")
+
+
 def collective_of(node: fx.Node) -> Collective | None:
     """The :class:`Collective` a node runs; None for anything else (including wait_tensor).
 
@@ -318,7 +339,7 @@ def collective_of(node: fx.Node) -> Collective | None:
     nbytes = tensor_bytes(node.meta.get("val") if kind == "all_gather" else fx.node.map_aggregate(node.args[0], _val))
     ranks = group_ranks(group)
     if ranks is None:
-        size = None if kind == "all_reduce" else arg(node, "group_size")
+        size = None if kind == "all_reduce" else _group_size(node)
         ranks = tuple(range(size or (dist.get_world_size() if dist.is_initialized() else 1)))
     return Collective(kind, nbytes, group, ranks)
 
@@ -338,6 +359,11 @@ def estimators(profile: str | DeviceProfile) -> tuple[Callable[[fx.Node], float]
     return compute_time, comm_time
 
 
+# The profile's workspace and input copy are what its backend's collectives of each kind do;
+# an all-to-all run as a reduce-scatter (passes/gloo.py) has neither: it sends from its input
+# and receives into its output.
+
+
 def workspace(profile: str | DeviceProfile) -> Callable[[fx.Node], int]:
     """``bytes(node)``: what a collective node allocates besides its input and output while in
     flight on ``profile`` (:attr:`DeviceProfile.comm_workspace`); 0 for other nodes."""
@@ -345,13 +371,14 @@ def workspace(profile: str | DeviceProfile) -> Callable[[fx.Node], int]:
 
     def workspace_bytes(node: fx.Node) -> int:
         c = collective_of(node)
-        return 0 if c is None else int(profile.comm_workspace.get(c.kind, 0.0) * c.nbytes)
+        return 0 if c is None or is_exchange(node) else int(profile.comm_workspace.get(c.kind, 0.0) * c.nbytes)
 
     return workspace_bytes
 
 
-def input_copied(profile: str | DeviceProfile) -> Callable[[fx.Node], bool]:
+def input_copied(profile: str | DeviceProfile | tuple[str, ...]) -> Callable[[fx.Node], bool]:
     """``copied(node)``: whether a collective node's backend copies its input at the issue on
-    ``profile`` (:attr:`DeviceProfile.comm_input_copied`), so the input is free from then on."""
-    kinds = get_profile(profile).comm_input_copied
-    return lambda node: collective_kind(node) in kinds
+    ``profile`` (:attr:`DeviceProfile.comm_input_copied`; or these kinds), so the input is
+    free from then on."""
+    kinds = profile if isinstance(profile, tuple) else get_profile(profile).comm_input_copied
+    return lambda node: collective_kind(node) in kinds and not is_exchange(node)

@@ -22,11 +22,12 @@ from autoshard.compiler.options import SCHEDULES
 from autoshard.passes import (
     bucket_collectives,
     free_collective_buffers,
+    gathers_in_place,
     gathers_into_buffers,
     inductor_schedule,
     lower_annotations,
     merge_shared_parameters,
-    reductions_in_place,
+    reductions_by_exchange,
     schedule_overlap,
 )
 from autoshard.passes.graph_utils import is_copy, mib_to_bytes
@@ -149,22 +150,26 @@ def _frees_its_buffers(compiler: str) -> bool:
 
 def _gloo(gm: fx.GraphModule, ctx: Context) -> None:
     gathers_into_buffers(gm)
-    if _frees_its_buffers(ctx.options.compiler):
-        reductions_in_place(gm)
+    reductions_by_exchange(gm)
+    if _frees_its_buffers(ctx.options.compiler):  # Inductor plans its own buffers (and no out= ops)
+        gathers_in_place(gm)
         free_collective_buffers(gm)
 
 
-def gloo_memory(late_release: tuple[str, ...], copies_input: bool, compiler: str) -> dict[str, tuple[str, ...]]:
+def gloo_memory(late_release: tuple[str, ...], copied: tuple[str, ...], compiler: str) -> dict[str, tuple[str, ...]]:
     """What the memory model must assume of collectives given what :func:`_gloo` does to the
-    graph (its ``late_release`` and ``output_at_wait`` Context fields). ``copies_input``: the
-    profile's backend copies a reduce-scatter's input (gloo). Graphs that free their buffers
-    and reduce in place make a reduce-scatter's result at its wait; Inductor's leave gloo's
-    buffers to gloo's thread, which frees them late."""
-    if not copies_input:
-        return {"late_release": late_release, "output_at_wait": ()}
+    graph: its ``late_release``, ``output_at_wait`` and ``input_copied`` (kinds) Context fields.
+    ``copied``: the kinds whose input the profile's backend copies (gloo's reduce-scatter).
+    There reduce-scatters become all-to-alls, which read their input until the wait (what
+    they receive is the copy's bytes, the profile's workspace). Graphs that free their
+    buffers make a reduce-scatter's result at its wait; Inductor's leave gloo's buffers to
+    gloo's thread, which frees them late."""
+    if "reduce_scatter" not in copied:
+        return {"late_release": late_release, "output_at_wait": (), "input_copied": copied}
+    copied = tuple(k for k in copied if k != "reduce_scatter")
     if _frees_its_buffers(compiler):
-        return {"late_release": late_release, "output_at_wait": ("reduce_scatter",)}
-    return {"late_release": late_release + GLOO_RELEASE_LATE, "output_at_wait": ()}
+        return {"late_release": late_release, "output_at_wait": ("reduce_scatter",), "input_copied": copied}
+    return {"late_release": late_release + GLOO_RELEASE_LATE, "output_at_wait": (), "input_copied": copied}
 
 
 def _inductor_schedule(gm: fx.GraphModule, ctx: Context) -> None:
@@ -203,7 +208,7 @@ PARTITIONED: tuple[Step, ...] = (
     Pass("check_ranks_agree", lambda gm, ctx: check_ranks_agree(gm, ctx.side), None, frozenset({LOWERED})),
     # gloo corrupts its heap with several out-of-place gathers in flight, and frees what it
     # holds when it likes (see passes/gloo.py).
-    Pass("gloo", _gloo, "over gloo, gathers write into buffers, reduce-scatters reduce in place, and the graph frees "
+    Pass("gloo", _gloo, "over gloo, gathers write into buffers, reduce-scatters run as all-to-alls, and the graph frees "
          "their buffers after their last use", frozenset({LOWERED})),
     Stage("{side}"),
 )

@@ -12,7 +12,8 @@ taken under the contention training sees:
   :func:`~autoshard.compiler.cost_model.node_time` counts) and launch overhead (``torch.add`` on
   1-element tensors, per call);
 - collectives, at every world size: the functional ``all_gather_into_tensor``,
-  ``reduce_scatter_tensor`` and ``all_reduce`` compiled graphs run (issue, then ``wait_tensor``)
+  ``reduce_scatter_tensor`` (as the graphs run it over gloo: ``all_to_all_single``, then a mean
+  over the ranks) and ``all_reduce`` compiled graphs run (issue, then ``wait_tensor``)
   of float32 over a sweep of sizes, in cost_model's full-buffer convention
   (gathered output / pre-reduce input / buffer); a barrier before each timed call, median over
   repeats, max over ranks (a collective ends when its slowest rank does).
@@ -191,12 +192,14 @@ def _collective_times(sizes: Sequence[int], repeats: int) -> dict[tuple[str, int
     for nbytes in sizes:
         numel = _numel(nbytes, w)
         full, shard = torch.ones(numel), torch.ones(numel // w)
+        rows = [numel // w] * w
         group = dist.group.WORLD.group_name
         # The functional collectives compiled graphs run (issue, then wait_tensor), not the
         # blocking API: their overheads are part of what a graph pays.
         calls = {
             "all_gather": lambda: c10d.wait_tensor(c10d.all_gather_into_tensor(shard, w, group)),
-            "reduce_scatter": lambda: c10d.wait_tensor(c10d.reduce_scatter_tensor(full, "avg", w, group)),
+            # Over gloo the graphs run a reduce-scatter as an all-to-all and a mean (passes/gloo.py).
+            "reduce_scatter": lambda: c10d.wait_tensor(c10d.all_to_all_single(full, rows, rows, group)).view(w, -1).mean(0),
             "all_reduce": lambda: c10d.wait_tensor(c10d.all_reduce(full, "avg", group)),
         }
         for kind in COLLECTIVE_KINDS:
