@@ -34,6 +34,11 @@ class SchedulePlan:
     smallest_bytes: int | None = None  # the peak gathering at use, each reduction waited at once
     reference_bytes: int | None = None  # the reference policy's peak (``no_more_than``), the default budget
     peak_at: float = 0.0  # where the peak is, as a position of the graph before scheduling
+    # Per gather bucket (empty: none), whether it is waited right after its issue, its result
+    # kept in the buffer until its copy-out at the use: a blocking call, as FSDP2 eager makes on
+    # gloo (the reference policy there). Its staging copy (gloo's) then never meets the compute
+    # that follows.
+    blocked: tuple[bool, ...] = ()
 
 
 class _Gather:
@@ -42,7 +47,8 @@ class _Gather:
     def __init__(self, node: fx.Node, pos: dict[fx.Node, int]) -> None:
         self.node = node
         self.issue = issue_inputs(node) + [node]
-        self.outputs = outputs_of(wait_of(node))
+        self.wait = wait_of(node)
+        self.outputs = outputs_of(self.wait)
         uses = [pos[u] for o in self.outputs for u in o.users if u not in self.outputs]
         self.first_use, self.last_use = min(uses), max(uses)
         # Live gathered bytes: the flat result plus the per-parameter copies made from it.
@@ -96,6 +102,8 @@ class _Graph:
                 priority[n] = self.issue_at(j, d) - 0.25 + j * 1e-6
             for n in g.outputs:
                 priority[n] = g.first_use - 0.5
+            if plan.blocked and plan.blocked[j]:
+                priority[g.wait] = self.issue_at(j, d) - 0.25 + (j + 0.5) * 1e-6
         end = float(len(self.pos))
         for reduces, issues, outputs_by_reduce in zip(self.reduce_kinds, self.reduce_issue, self.reduce_outputs):
             for issue in issues:  # inputs already rescheduled (a reduce-scatter's wait) count where they now are
@@ -175,7 +183,8 @@ def schedule_overlap(
     ValueError names the smallest budget that fits when none does. ``no_more_than=(d, r)``: a
     reference policy (FSDP2's on GPUs is (1, 1)) whose peak is the budget when none is given;
     ``reference_blocking``: its collectives block their caller (FSDP2 eager on gloo), so its
-    peak counts their buffers freed at the wait even under ``late_release``. ``plan``: take
+    peak counts each gather waited right after its issue (:attr:`SchedulePlan.blocked`) and
+    buffers freed at the wait even under ``late_release``. ``plan``: take
     these decisions (a plan found earlier on the same graph), no search. The plan is in
     ``gm.meta[PLAN]``; ``only_plan``: find it, leave the order as it is. Numerics unchanged;
     deterministic (graph structure, shapes and the cost functions).
@@ -212,8 +221,9 @@ def schedule_overlap(
         d, r = no_more_than
         policy = SchedulePlan(tuple(min(d, x) for x in fast), min(r, max_reduces_in_flight))
         reference = evaluate(policy)
-        # Blocking collectives are done, their buffers freed, when the call returns.
-        reference_bytes = evaluate(policy, late=()).peak_bytes if reference_blocking else reference.peak_bytes
+        # Blocking collectives are done, their buffers (but the result) freed, when the call returns.
+        blocking = replace(policy, blocked=(True,) * len(fast))
+        reference_bytes = evaluate(blocking, late=()).peak_bytes if reference_blocking else reference.peak_bytes
         budget = reference_bytes if budget is None else budget
     if budget is not None:
         # Plans the greedy search may miss: gathering at use, and the reference policy (the

@@ -162,13 +162,14 @@ def gloo_memory(late_release: tuple[str, ...], copied: tuple[str, ...], compiler
     ``copied``: the kinds whose input the profile's backend copies (gloo's reduce-scatter).
     There reduce-scatters become all-to-alls, which read their input until the wait (what
     they receive is the copy's bytes, the profile's workspace). Graphs that free their
-    buffers make a reduce-scatter's result at its wait; Inductor's leave gloo's buffers to
+    buffers make a reduce-scatter's result at its wait, and concatenate a gather's input into
+    its buffer (no input of its own from the issue on); Inductor's leave gloo's buffers to
     gloo's thread, which frees them late."""
     if "reduce_scatter" not in copied:
         return {"late_release": late_release, "output_at_wait": (), "input_copied": copied}
     copied = tuple(k for k in copied if k != "reduce_scatter")
     if _frees_its_buffers(compiler):
-        return {"late_release": late_release, "output_at_wait": ("reduce_scatter",), "input_copied": copied}
+        return {"late_release": late_release, "output_at_wait": ("reduce_scatter",), "input_copied": copied + ("all_gather",)}
     return {"late_release": late_release + GLOO_RELEASE_LATE, "output_at_wait": (), "input_copied": copied}
 
 
