@@ -158,6 +158,7 @@ def schedule_overlap(
     output_at_wait: Collection[str] = (),
     plan: SchedulePlan | None = None,
     only_plan: bool = False,
+    blocking: bool = False,
 ) -> fx.GraphModule:
     """Reorder a bucketed forward or backward graph so communication hides behind compute.
 
@@ -186,7 +187,9 @@ def schedule_overlap(
     peak counts each gather waited right after its issue (:attr:`SchedulePlan.blocked`) and
     buffers freed at the wait even under ``late_release``. ``plan``: take
     these decisions (a plan found earlier on the same graph), no search. The plan is in
-    ``gm.meta[PLAN]``; ``only_plan``: find it, leave the order as it is. Numerics unchanged;
+    ``gm.meta[PLAN]``; ``only_plan``: find it, leave the order as it is. ``blocking``: every
+    gather waited right after its issue (:attr:`SchedulePlan.blocked`; the "fsdp2" schedule
+    where FSDP2 eager's collectives block). Numerics unchanged;
     deterministic (graph structure, shapes and the cost functions).
     """
     compute_time, collective_time = functools.cache(compute_time), functools.cache(collective_time)  # each plan re-times every node
@@ -214,7 +217,7 @@ def schedule_overlap(
         return replace(plan, peak_bytes=peak + outside_bytes, step_time=step_time(order, compute_time, collective_time),
                        peak_at=priority[order[at]] if order else 0.0)
 
-    plan = SchedulePlan(tuple(fast), max_reduces_in_flight)
+    plan = SchedulePlan(tuple(fast), max_reduces_in_flight, blocked=(True,) * len(fast) if blocking else ())
     budget = memory_budget_bytes
     reference = reference_bytes = None
     if no_more_than is not None:

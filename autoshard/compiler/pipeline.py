@@ -101,6 +101,8 @@ def _schedule(gm: fx.GraphModule, ctx: Context, budget: int | None, plan: Any = 
     opts = ctx.options
     # "fsdp2": FSDP2 eager's policy on the same buckets (it prefetches the next one on GPUs).
     limits = dict(zip(("max_prefetch", "max_reduces_in_flight"), ctx.fsdp2_policy)) if opts.schedule == "fsdp2" else {}
+    if opts.schedule == "fsdp2":
+        limits["blocking"] = ctx.fsdp2_blocking
     # Held outside this graph: optimizer state and, during the backward, the parameter shards
     # (the forward's placeholders already hold them). Gradients are the backward's outputs.
     outside = opts.optimizer_states * ctx.param_bytes + (ctx.param_bytes if ctx.side == "backward" else 0)
