@@ -9,7 +9,19 @@ from torch import fx
 
 from autoshard._compat import c10d
 
-from .graph_utils import GATHERED, collectives, exclusive_inputs, issue_inputs, nbytes, ordered, outputs_of, positions, reorder, wait_of
+from .graph_utils import (
+    GATHERED,
+    collective_kind,
+    collectives,
+    exclusive_inputs,
+    issue_inputs,
+    nbytes,
+    ordered,
+    outputs_of,
+    positions,
+    reorder,
+    wait_of,
+)
 from .step_model import Storages, Workspace, never, no_workspace, peak_bytes, step_time
 
 PLAN = "autoshard_schedule"  # gm.meta key: the chosen SchedulePlan, for explain and the report
@@ -184,8 +196,7 @@ def schedule_overlap(
     ValueError names the smallest budget that fits when none does. ``no_more_than=(d, r)``: a
     reference policy (FSDP2's on GPUs is (1, 1)) whose peak is the budget when none is given;
     ``reference_blocking``: its collectives block their caller (FSDP2 eager on gloo), so its
-    peak counts each gather waited right after its issue (:attr:`SchedulePlan.blocked`) and
-    buffers freed at the wait even under ``late_release``. ``plan``: take
+    peak is priced as FSDP2 eager runs there (:func:`_blocking_peak`). ``plan``: take
     these decisions (a plan found earlier on the same graph), no search. The plan is in
     ``gm.meta[PLAN]``; ``only_plan``: find it, leave the order as it is. ``blocking``: every
     gather waited right after its issue (:attr:`SchedulePlan.blocked`; the "fsdp2" schedule
@@ -209,10 +220,10 @@ def schedule_overlap(
     storages = Storages([n for n in g.graph.nodes if n.op != "output"])
     workspace, input_copied = functools.cache(workspace), functools.cache(input_copied)
 
-    def evaluate(plan: SchedulePlan, late: Collection[str] = late_release) -> SchedulePlan:
+    def evaluate(plan: SchedulePlan, late: Collection[str] = late_release, ws: Workspace = workspace) -> SchedulePlan:
         priority = g.priorities(plan)
         order = ordered(g.graph, priority)
-        peak, at = peak_bytes(order, workspace, pin_inputs=not shards_outside, held_outside=shards, late_release=late,
+        peak, at = peak_bytes(order, ws, pin_inputs=not shards_outside, held_outside=shards, late_release=late,
                               input_copied=input_copied, output_at_wait=output_at_wait, storages=storages)
         return replace(plan, peak_bytes=peak + outside_bytes, step_time=step_time(order, compute_time, collective_time),
                        peak_at=priority[order[at]] if order else 0.0)
@@ -224,9 +235,7 @@ def schedule_overlap(
         d, r = no_more_than
         policy = SchedulePlan(tuple(min(d, x) for x in fast), min(r, max_reduces_in_flight))
         reference = evaluate(policy)
-        # Blocking collectives are done, their buffers (but the result) freed, when the call returns.
-        blocking = replace(policy, blocked=(True,) * len(fast))
-        reference_bytes = evaluate(blocking, late=()).peak_bytes if reference_blocking else reference.peak_bytes
+        reference_bytes = _blocking_peak(policy, evaluate, workspace) if reference_blocking else reference.peak_bytes
         budget = reference_bytes if budget is None else budget
     if budget is not None:
         # Plans the greedy search may miss: gathering at use, and the reference policy (the
@@ -249,6 +258,16 @@ def schedule_overlap(
         plan = evaluate(plan)
     gm.meta[PLAN] = plan
     return gm if only_plan else reorder(gm, g.priorities(plan))
+
+
+def _blocking_peak(policy: SchedulePlan, evaluate: Callable[..., SchedulePlan], workspace: Workspace) -> int:
+    """The peak of ``policy`` run as FSDP2 eager runs it where collectives block (gloo): each
+    gather waited right after its issue, its result kept for its use; each reduction's input
+    kept until the next reduction is issued (FSDP2 frees it there), a backend's staging copy
+    of it only inside the call; nothing left for the backend's thread to free later."""
+    reduction = ("reduce_scatter", "all_reduce")
+    blocked = replace(policy, blocked=(True,) * len(policy.distances), reduces_in_flight=max(1, policy.reduces_in_flight))
+    return evaluate(blocked, late=(), ws=lambda n: 0 if collective_kind(n) in reduction else workspace(n)).peak_bytes
 
 
 def _fit(g: _Graph, plan: SchedulePlan, budget: int, evaluate: Callable[[SchedulePlan], SchedulePlan]) -> SchedulePlan:
