@@ -154,16 +154,23 @@ def peak_bytes(
     return peak, at
 
 
-def step_time(order: Sequence[fx.Node], compute_time: Callable[[fx.Node], float], collective_time: Callable[[fx.Node], float]) -> float:
+def step_time(
+    order: Sequence[fx.Node], compute_time: Callable[[fx.Node], float], collective_time: Callable[[fx.Node], float],
+    overlap: float = 1.0,
+) -> float:
     """Seconds to run ``order``: compute nodes one after another; collectives one after another
     on a comm stream, each starting once issued and the previous one ended; a wait holds
-    compute until its collective ends."""
+    compute until its collective ends. ``overlap``: the share of a collective's time compute
+    keeps full speed (the profile's ``comm_overlap``, as the simulator plays it): the rest is
+    added to compute (on CPU ranks gloo's threads take cycles from it)."""
     now = comm = 0.0
     ends: dict[fx.Node, float] = {}
     for n in order:
         if collective_kind(n) is not None:
-            comm = max(comm, now) + collective_time(n)
+            duration = collective_time(n)
+            comm = max(comm, now) + duration
             ends[n] = comm
+            now += (1 - overlap) * duration
         elif is_wait(n):
             now = max(now, ends.get(n.args[0], now))
         else:

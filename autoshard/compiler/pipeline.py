@@ -62,6 +62,7 @@ class Context:
     output_at_wait: tuple[str, ...] = ()  # kinds whose result the graph makes at the wait (passes/gloo.py)
     fsdp2_policy: tuple[int, int] = (1, 1)  # FSDP2 eager on this side and device (DeviceProfile.fsdp2_policy)
     fsdp2_blocking: bool = False  # DeviceProfile.fsdp2_blocking
+    comm_overlap: float = 1.0  # DeviceProfile.comm_overlap: compute's share of full speed while a collective runs
     # Set by the bucketing step for the schedule: the bucket cap it chose and the plan found for it.
     bucket_mb: float | None = None
     plan: Any = None
@@ -112,7 +113,7 @@ def _schedule(gm: fx.GraphModule, ctx: Context, budget: int | None, plan: Any = 
         # Without a budget, never more memory than FSDP2 eager on this device; its policy's plan is a candidate.
         no_more_than=ctx.fsdp2_policy if opts.schedule == "autoshard" else None, reference_blocking=ctx.fsdp2_blocking,
         shards_outside=ctx.side == "backward", late_release=ctx.late_release, input_copied=ctx.input_copied or never,
-        output_at_wait=ctx.output_at_wait, plan=plan, only_plan=only_plan,
+        output_at_wait=ctx.output_at_wait, plan=plan, only_plan=only_plan, comm_overlap=ctx.comm_overlap,
     )
 
 
