@@ -89,7 +89,7 @@ def fail_together(what: str) -> Iterator[Link]:
     The rank that failed first re-raises its own error; ranks whose collectives broke raise
     ``RuntimeError`` ("``what``: failed on rank R: ...") chained to what they saw; a rank that
     raised an error of its own re-raises it. Call it on every rank, as any
-    collective. Costs one new gloo group (its connections) and one barrier per block.
+    collective. Costs one new gloo group (its connections) and two barriers per block.
     """
     if not multi_rank():
         yield Link(None)
@@ -98,6 +98,9 @@ def fail_together(what: str) -> Iterator[Link]:
     link = Link(dist.new_group(backend="gloo"))
     key = f"autoshard/failed/{link.group.group_name}"
     try:
+        # Every rank connected before any may close the group: a rank that failed at once
+        # would otherwise break a peer still connecting, with gloo's error instead of ours.
+        dist.barrier(group=link.group)
         yield link
         dist.barrier(group=link.group)
     except BaseException as error:
