@@ -1,13 +1,17 @@
 """Measured step time and peak memory of DDP, FSDP2 and autoshard on real gloo ranks (CPU).
 
-Starts ``world`` CPU processes on gloo for each world size, trains the same small GPT with
-each system in turn and measures, per rank, the median step time (forward + backward +
-AdamW step) and the peak memory of one steady-state step. For the autoshard rows it also
-plays the compiled forward/backward graphs on the cost model (``autoshard.tools.simulator``) and
-compares the prediction with the measured forward + backward time, twice: with the profile as
-given (``pred_error``), and with its compute figures measured again in the same ranks before
-the runs (``pred_error_in_run``), which separates the simulator's error from the profile's
-drift (other load, ranks sharing cores):
+Starts ``world`` CPU processes on gloo for each world size and sets up the same small GPT with
+each system. Their timed steps then take turns, one step of each system per round, with what
+the set-up systems hold frozen out of the garbage collector's scans; so a machine whose load
+comes and goes slows every system alike, and no system pays for the others' objects. Per
+rank it measures the median step time (forward + backward + AdamW step) and the peak memory
+of one steady-state step. ``fsdp2_compile`` takes its turns apart, after the others (see
+:data:`APART`). For the autoshard rows it also plays the compiled forward/backward graphs on
+the cost model (``autoshard.tools.simulator``) and compares the prediction with the measured
+forward + backward time, twice: with the profile as given (``pred_error``), and with its
+compute figures measured again in the same ranks before the runs (``pred_error_in_run``),
+which separates the simulator's error from the profile's drift (other load, ranks sharing
+cores):
 
     python bench/real.py                                   # GPT 4 x 128, seq 128, worlds 2 and 4
     python bench/real.py --world-sizes 2 --steps 20 --json real.json
@@ -19,6 +23,7 @@ small CPU box), so compiled and eager rows run the same ATen kernels.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -175,67 +180,115 @@ def in_run_profile(name: str) -> DeviceProfile:
     return calibrate.with_compute(get_profile(name), averaged, f"{name} with compute measured in this run")
 
 
-def measure(system: str, args: argparse.Namespace, in_run: DeviceProfile) -> dict:
-    rank = dist.get_rank()
-    torch._dynamo.reset()
-    counters.clear()
-    torch.manual_seed(0)  # same initial weights on every rank and for every system
-    cfg = GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers, n_head=args.heads, n_embd=args.embd)
-    model, module = SETUPS[system](GPT(cfg), args)
-    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)  # after sharding: it sees the shards
-    g = torch.Generator().manual_seed(rank)  # each rank its own slice of the global batch
-    x, y = (torch.randint(0, args.vocab, (args.batch, args.seq), generator=g) for _ in range(2))
+class Trained:
+    """One system, set up and warmed up on this rank: what its timed and measured steps need."""
 
-    start = time.perf_counter()
-    with recording() as graphs:  # compile happens in the first step (backward graph in its backward)
-        train_step(model, optimizer, x, y)
-    for _ in range(args.warmup - 1):
-        train_step(model, optimizer, x, y)
-    warmup_s = time.perf_counter() - start
-    times = [train_step(model, optimizer, x, y) for _ in range(args.steps)]
+    def __init__(self, system: str, args: argparse.Namespace) -> None:
+        rank = dist.get_rank()
+        graphs_before = counters["stats"]["unique_graphs"]
+        torch.manual_seed(0)  # same initial weights on every rank and for every system
+        cfg = GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers, n_head=args.heads, n_embd=args.embd)
+        self.system = system
+        self.model, self.module = SETUPS[system](GPT(cfg), args)
+        self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=1e-3)  # after sharding: it sees the shards
+        g = torch.Generator().manual_seed(rank)  # each rank its own slice of the global batch
+        self.x, self.y = (torch.randint(0, args.vocab, (args.batch, args.seq), generator=g) for _ in range(2))
+        start = time.perf_counter()
+        with recording() as self.graphs:  # compile happens in the first step (backward graph in its backward)
+            self.step()
+        for _ in range(args.warmup - 1):
+            self.step()
+        self.warmup_s = time.perf_counter() - start
+        self.compiled_graphs = counters["stats"]["unique_graphs"] - graphs_before  # Dynamo graphs (0: eager)
+        self.times: list[tuple[float, float]] = []
 
+    def step(self) -> tuple[float, float]:
+        return train_step(self.model, self.optimizer, self.x, self.y)
+
+
+def measure_memory(t: Trained, args: argparse.Namespace, in_run: DeviceProfile) -> dict:
+    """``t``'s timed steps summarised, and its peak memory and predictions measured now."""
     # Memory in separate steps: the profiler slows the steps it watches. Two steps, the second
     # measured: the profiler drops frees of blocks allocated before it started (torch warns of
     # "a block of unknown size"), so buffers one step hands to the next are only seen this way.
-    persistent = state_bytes(model, module, optimizer)
+    persistent = state_bytes(t.model, t.module, t.optimizer)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        train_step(model, optimizer, x, y)
+        t.step()
         with record_function("measured_step"):
-            train_step(model, optimizer, x, y)
+            t.step()
 
     result = {
-        "fwd_bwd_s": statistics.median(t for t, _ in times),
-        "step_s": statistics.median(s for _, s in times),
+        "fwd_bwd_s": statistics.median(f for f, _ in t.times),
+        "step_s": statistics.median(s for _, s in t.times),
         "state_bytes": persistent,
         "peak_bytes": persistent + peak_rise(prof, "measured_step"),
-        "warmup_s": warmup_s,
-        "graphs": counters["stats"]["unique_graphs"],  # Dynamo graphs compiled (0: eager)
+        "warmup_s": t.warmup_s,
+        "graphs": t.compiled_graphs,
     }
-    if system.startswith("autoshard"):
+    if t.system.startswith("autoshard"):
         # Forward + backward only: the simulator does not model the optimizer step. With graph
         # breaks the graphs run one after another, so their predictions add up.
-        analyses = [analyze(s["forward"], s["backward"], args.profile) for s in graphs]
+        analyses = [analyze(s["forward"], s["backward"], args.profile) for s in t.graphs]
         result["predicted_s"] = sum(a.step_time for a in analyses)
-        result["predicted_in_run_s"] = sum(analyze(s["forward"], s["backward"], in_run).step_time for s in graphs)
+        result["predicted_in_run_s"] = sum(analyze(s["forward"], s["backward"], in_run).step_time for s in t.graphs)
         result["predicted_compute_s"] = sum(a.compute_time for a in analyses)
         result["predicted_comm_s"] = sum(a.comm_time for a in analyses)
         result["predicted_peak_bytes"] = max(a.peak_bytes for a in analyses)
     return result
 
 
+def measure(system: str, args: argparse.Namespace, in_run: DeviceProfile) -> dict:
+    """One system on its own: set up, ``args.steps`` timed steps, memory (bench/memory.py's
+    budget sweep measures each plan this way)."""
+    torch._dynamo.reset()
+    counters.clear()
+    t = Trained(system, args)
+    t.times = [t.step() for _ in range(args.steps)]
+    return measure_memory(t, args, in_run)
+
+
+# Dynamo skips GPT.forward for good once it graph-breaks in its loop over blocks (as FSDP2's
+# dynamo-disabled hooks make it do), so a later compile of another GPT would break at every
+# block: fsdp2_compile is set up and timed apart, after the others.
+APART = ("fsdp2_compile",)
+
+
 def run_systems(args: argparse.Namespace) -> dict[str, dict]:
-    """This rank's measurements of every system in ``args.systems``."""
+    """This rank's measurements of every system in ``args.systems``. The systems are set up
+    first; their timed steps then take turns (one step of each per round, the order
+    rotating), so load that comes and goes on the machine slows every system alike instead of
+    whichever ran at the time. Systems in :data:`APART` take their turns among themselves, after."""
     world = dist.get_world_size()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # ranks share the machine's cores
     in_run = in_run_profile(args.profile)
     results = {}
-    for system in args.systems:
-        results[system] = measure(system, args, in_run)
-        if dist.get_rank() == 0:
-            r = results[system]
-            print(f"world {world} {system:15s} warm-up {r['warmup_s']:6.1f} s ({r['graphs']} graphs), "
-                  f"step {r['step_s'] * 1e3:7.1f} ms (rank 0)", file=sys.stderr, flush=True)
-    return results
+    together = [s for s in args.systems if s not in APART]
+    for group in (together, *([s] for s in args.systems if s in APART)):
+        if not group:
+            continue
+        torch._dynamo.reset()
+        counters.clear()
+        trained = []
+        for system in group:
+            trained.append(Trained(system, args))
+            if dist.get_rank() == 0:
+                t = trained[-1]
+                print(f"world {world} {system:15s} warm-up {t.warmup_s:6.1f} s ({t.compiled_graphs} graphs)",
+                      file=sys.stderr, flush=True)
+        # What the set-up systems keep alive is not scanned by the collections a step triggers:
+        # otherwise a system that makes more garbage per step (FSDP2's hooks) pays for the others'.
+        gc.collect()
+        gc.freeze()
+        for i in range(args.steps):
+            for t in trained[i % len(trained):] + trained[: i % len(trained)]:
+                t.times.append(t.step())
+        gc.unfreeze()
+        results.update((t.system, measure_memory(t, args, in_run)) for t in trained)
+        del trained
+    if dist.get_rank() == 0:
+        for system in args.systems:
+            print(f"world {world} {system:15s} step {results[system]['step_s'] * 1e3:7.1f} ms (rank 0)", file=sys.stderr, flush=True)
+    return {s: results[s] for s in args.systems}
 
 
 def rows_of(world: int, per_rank: list[dict], systems: list[str]) -> list[dict]:
