@@ -71,8 +71,8 @@ def test_the_memory_model_follows_what_the_gloo_pass_does():
     graphs run op by op make the result at the wait and free their buffers; Inductor's leave
     them to gloo's thread (late); other backends change nothing."""
     copied = ("reduce_scatter",)
-    assert pipeline.gloo_memory((), copied, "aot_eager") == {
-        "late_release": (), "output_at_wait": ("reduce_scatter",), "input_copied": ("all_gather",)}
-    assert pipeline.gloo_memory((), copied, "inductor") == {
-        "late_release": ("all_gather", "reduce_scatter"), "output_at_wait": (), "input_copied": ()}
-    assert pipeline.gloo_memory((), (), "aot_eager") == {"late_release": (), "output_at_wait": (), "input_copied": ()}
+    memory = pipeline.CollectiveMemory
+    assert pipeline.gloo_memory((), copied, "aot_eager") == memory(
+        late_release=(), output_at_wait=("reduce_scatter",), input_copied=("all_gather",))
+    assert pipeline.gloo_memory((), copied, "inductor") == memory(late_release=("all_gather", "reduce_scatter"))
+    assert pipeline.gloo_memory((), (), "aot_eager") == memory()

@@ -32,7 +32,7 @@ from autoshard._compat import (
 )
 from autoshard.compiler import pipeline
 from autoshard.compiler.consistency import reports_compile_failure
-from autoshard.compiler.cost_model import DeviceProfile, estimators, get_profile, input_copied, workspace
+from autoshard.compiler.cost_model import DeviceProfile, estimators, get_profile, workspace
 from autoshard.compiler.dump import GraphDump
 from autoshard.compiler.options import Options, parse_options
 from autoshard.runtime import leaves
@@ -148,9 +148,9 @@ def _finish(
     backward graph, writing its stages (and the report once the graph's last stage is done)."""
     profile = _profile(gm, opts)
     compute_time, comm_time = estimators(profile)
-    gloo = pipeline.gloo_memory(profile.comm_release_late, profile.comm_input_copied, opts.compiler)
+    collectives = pipeline.gloo_memory(profile.comm_release_late, profile.comm_input_copied, opts.compiler)
     ctx = pipeline.Context(opts, side, compute_time, comm_time, workspace=workspace(profile), param_bytes=param_bytes,
-                           input_copied=input_copied(gloo.pop("input_copied")), **gloo, fsdp2_policy=profile.fsdp2_policy(side),
+                           collectives=collectives, fsdp2_policy=profile.fsdp2_policy(side),
                            fsdp2_blocking=profile.fsdp2_blocking, comm_overlap=profile.comm_overlap)
     # Outside the compile's fake mode and Python dispatcher: every torch call in the passes
     # would go through them (a view of a meta tensor: 75x slower). The passes build fake

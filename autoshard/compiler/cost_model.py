@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, Collection, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
@@ -376,9 +376,8 @@ def workspace(profile: str | DeviceProfile) -> Callable[[fx.Node], int]:
     return workspace_bytes
 
 
-def input_copied(profile: str | DeviceProfile | tuple[str, ...]) -> Callable[[fx.Node], bool]:
-    """``copied(node)``: whether a collective node's backend copies its input at the issue on
-    ``profile`` (:attr:`DeviceProfile.comm_input_copied`; or these kinds), so the input is
-    free from then on."""
-    kinds = profile if isinstance(profile, tuple) else get_profile(profile).comm_input_copied
+def input_copied(kinds: Collection[str]) -> Callable[[fx.Node], bool]:
+    """``copied(node)``: whether a collective node's backend copies its input at the issue,
+    for the collective ``kinds`` whose backend does (:attr:`DeviceProfile.comm_input_copied`),
+    so the input is free from then on."""
     return lambda node: collective_kind(node) in kinds and not is_exchange(node)

@@ -17,7 +17,7 @@ from torch import fx
 from autoshard._compat import save_random_ops_in_checkpoints
 from autoshard.compiler.bucket_plan import choose_bucket_mb
 from autoshard.compiler.consistency import check_ranks_agree
-from autoshard.compiler.cost_model import GLOO_RELEASE_LATE
+from autoshard.compiler.cost_model import GLOO_RELEASE_LATE, input_copied
 from autoshard.compiler.options import SCHEDULES
 from autoshard.passes import (
     bucket_collectives,
@@ -32,7 +32,7 @@ from autoshard.passes import (
 )
 from autoshard.passes.graph_utils import is_copy, mib_to_bytes
 from autoshard.passes.schedule import PLAN
-from autoshard.passes.step_model import never, no_workspace
+from autoshard.passes.step_model import no_workspace
 
 # What a graph holds, as passes require and provide it.
 ANNOTATIONS = "annotation ops"  # every graph starts with them (Dynamo captured the property reads)
@@ -46,6 +46,15 @@ RNG_SAVED = "random ops saved"
 OURS = ("autoshard", "fsdp2")  # the schedules that bucket and prefetch with autoshard's passes
 
 
+@dataclass(frozen=True)
+class CollectiveMemory:
+    """What the memory model assumes of a graph's collectives, by kind (``"all_gather"``, ...)."""
+
+    late_release: tuple[str, ...] = ()  # buffers may outlive their waits (DeviceProfile.comm_release_late)
+    output_at_wait: tuple[str, ...] = ()  # the result is made at the wait (passes/gloo.py)
+    input_copied: tuple[str, ...] = ()  # the input is free from the issue on (DeviceProfile.comm_input_copied)
+
+
 @dataclass
 class Context:
     """What a pass may read besides its graph: the backend's options, the side of the graph
@@ -57,9 +66,7 @@ class Context:
     compute_time: Callable[[fx.Node], float] | None = None
     comm_time: Callable[..., float] | None = None
     workspace: Callable[[fx.Node], int] | None = None  # a collective's in-flight extra bytes (cost_model.workspace)
-    late_release: tuple[str, ...] = ()  # kinds whose buffers may outlive their waits (DeviceProfile.comm_release_late)
-    input_copied: Callable[[fx.Node], bool] | None = None  # cost_model.input_copied: inputs free at the issue
-    output_at_wait: tuple[str, ...] = ()  # kinds whose result the graph makes at the wait (passes/gloo.py)
+    collectives: CollectiveMemory = CollectiveMemory()  # what their buffers hold, and until when
     fsdp2_policy: tuple[int, int] = (1, 1)  # FSDP2 eager on this side and device (DeviceProfile.fsdp2_policy)
     fsdp2_blocking: bool = False  # DeviceProfile.fsdp2_blocking
     comm_overlap: float = 1.0  # DeviceProfile.comm_overlap: compute's share of full speed while a collective runs
@@ -112,8 +119,9 @@ def _schedule(gm: fx.GraphModule, ctx: Context, budget: int | None, plan: Any = 
         memory_budget_bytes=budget, outside_bytes=outside, workspace=ctx.workspace or no_workspace,
         # Without a budget, never more memory than FSDP2 eager on this device; its policy's plan is a candidate.
         no_more_than=ctx.fsdp2_policy if opts.schedule == "autoshard" else None, reference_blocking=ctx.fsdp2_blocking,
-        shards_outside=ctx.side == "backward", late_release=ctx.late_release, input_copied=ctx.input_copied or never,
-        output_at_wait=ctx.output_at_wait, plan=plan, only_plan=only_plan, comm_overlap=ctx.comm_overlap,
+        shards_outside=ctx.side == "backward", late_release=ctx.collectives.late_release,
+        input_copied=input_copied(ctx.collectives.input_copied), output_at_wait=ctx.collectives.output_at_wait,
+        plan=plan, only_plan=only_plan, comm_overlap=ctx.comm_overlap,
     )
 
 
@@ -159,21 +167,20 @@ def _gloo(gm: fx.GraphModule, ctx: Context) -> None:
         free_collective_buffers(gm)
 
 
-def gloo_memory(late_release: tuple[str, ...], copied: tuple[str, ...], compiler: str) -> dict[str, tuple[str, ...]]:
+def gloo_memory(late_release: tuple[str, ...], copied: tuple[str, ...], compiler: str) -> CollectiveMemory:
     """What the memory model must assume of collectives given what :func:`_gloo` does to the
-    graph: its ``late_release``, ``output_at_wait`` and ``input_copied`` (kinds) Context fields.
-    ``copied``: the kinds whose input the profile's backend copies (gloo's reduce-scatter).
-    There reduce-scatters become all-to-alls, which read their input until the wait (what
-    they receive is the copy's bytes, the profile's workspace). Graphs that free their
-    buffers make a reduce-scatter's result at its wait, and concatenate a gather's input into
-    its buffer (no input of its own from the issue on); Inductor's leave gloo's buffers to
-    gloo's thread, which frees them late."""
+    graph, from the profile's ``late_release`` and ``copied`` kinds (whose input its backend
+    copies: gloo's reduce-scatter). There reduce-scatters become all-to-alls, which read their
+    input until the wait (what they receive is the copy's bytes, the profile's workspace).
+    Graphs that free their buffers make a reduce-scatter's result at its wait, and concatenate
+    a gather's input into its buffer (no input of its own from the issue on); Inductor's leave
+    gloo's buffers to gloo's thread, which frees them late."""
     if "reduce_scatter" not in copied:
-        return {"late_release": late_release, "output_at_wait": (), "input_copied": copied}
+        return CollectiveMemory(late_release, (), copied)
     copied = tuple(k for k in copied if k != "reduce_scatter")
     if _frees_its_buffers(compiler):
-        return {"late_release": late_release, "output_at_wait": ("reduce_scatter",), "input_copied": copied + ("all_gather",)}
-    return {"late_release": late_release + GLOO_RELEASE_LATE, "output_at_wait": (), "input_copied": copied}
+        return CollectiveMemory(late_release, ("reduce_scatter",), copied + ("all_gather",))
+    return CollectiveMemory(late_release + GLOO_RELEASE_LATE, (), copied)
 
 
 def _inductor_schedule(gm: fx.GraphModule, ctx: Context) -> None:

@@ -159,7 +159,7 @@ def _memory(order: Order, sources: dict[fx.Node, fx.Node], starts: list[float], 
     is alive there, the gathered peak, and the lower bound of :class:`StepAnalysis`.
     Gathered storages: all-gather outputs and the storage of any node tagged
     ``meta[GATHERED]`` (bucket copy-outs)."""
-    live = Liveness(order, sources, workspace(profile), profile.comm_release_late, input_copied(profile))
+    live = Liveness(order, sources, workspace(profile), profile.comm_release_late, input_copied(profile.comm_input_copied))
     categorize(live, order, sources)
     total, gathered = live.curve(), live.curve(gathered=True)
     by_category = {c: live.curve(c) for c in CATEGORIES}
