@@ -172,6 +172,7 @@ def schedule_overlap(
     only_plan: bool = False,
     blocking: bool = False,
     comm_overlap: float = 1.0,
+    comm_issue_cost: float = 0.0,
 ) -> fx.GraphModule:
     """Reorder a bucketed forward or backward graph so communication hides behind compute.
 
@@ -201,7 +202,7 @@ def schedule_overlap(
     these decisions (a plan found earlier on the same graph), no search. The plan is in
     ``gm.meta[PLAN]``; ``only_plan``: find it, leave the order as it is. ``blocking``: every
     gather waited right after its issue (:attr:`SchedulePlan.blocked`; the "fsdp2" schedule
-    where FSDP2 eager's collectives block). ``comm_overlap``: see :func:`step_model.step_time`.
+    where FSDP2 eager's collectives block). ``comm_overlap``, ``comm_issue_cost``: see :func:`step_model.step_time`.
     Numerics unchanged;
     deterministic (graph structure, shapes and the cost functions).
     """
@@ -227,8 +228,8 @@ def schedule_overlap(
         order = ordered(g.graph, priority)
         peak, at = peak_bytes(order, ws, pin_inputs=not shards_outside, held_outside=shards, late_release=late,
                               input_copied=input_copied, output_at_wait=output_at_wait, storages=storages)
-        return replace(plan, peak_bytes=peak + outside_bytes, step_time=step_time(order, compute_time, collective_time, comm_overlap),
-                       peak_at=priority[order[at]] if order else 0.0)
+        seconds = step_time(order, compute_time, collective_time, comm_overlap, comm_issue_cost)
+        return replace(plan, peak_bytes=peak + outside_bytes, step_time=seconds, peak_at=priority[order[at]] if order else 0.0)
 
     plan = SchedulePlan(tuple(fast), max_reduces_in_flight, blocked=(True,) * len(fast) if blocking else ())
     budget = memory_budget_bytes

@@ -154,15 +154,24 @@ def peak_bytes(
     return peak, at
 
 
+def caller_cost(duration: float, overlap: float, issue_cost: float) -> float:
+    """Compute time a collective of ``duration`` seconds takes from its caller while it runs
+    (the simulator and the planner price it alike): at most the collective's own time."""
+    return min(duration, (1 - overlap) * duration + issue_cost)
+
+
 def step_time(
     order: Sequence[fx.Node], compute_time: Callable[[fx.Node], float], collective_time: Callable[[fx.Node], float],
     overlap: float = 1.0,
+    issue_cost: float = 0.0,
 ) -> float:
     """Seconds to run ``order``: compute nodes one after another; collectives one after another
     on a comm stream, each starting once issued and the previous one ended; a wait holds
     compute until its collective ends. ``overlap``: the share of a collective's time compute
     keeps full speed (the profile's ``comm_overlap``, as the simulator plays it): the rest is
-    added to compute (on CPU ranks gloo's threads take cycles from it)."""
+    added to compute (on CPU ranks gloo's threads take cycles from it), with ``issue_cost``
+    (the profile's ``comm_issue_cost``), at most the collective's own time
+    (:func:`caller_cost`)."""
     now = comm = 0.0
     ends: dict[fx.Node, float] = {}
     for n in order:
@@ -170,7 +179,7 @@ def step_time(
             duration = collective_time(n)
             comm = max(comm, now) + duration
             ends[n] = comm
-            now += (1 - overlap) * duration
+            now += caller_cost(duration, overlap, issue_cost)
         elif is_wait(n):
             now = max(now, ends.get(n.args[0], now))
         else:

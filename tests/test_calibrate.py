@@ -32,6 +32,7 @@ def test_figures_positive_and_finite(measured):
     # (CI on torch 2.11 fitted one kind's latency to exactly 0).
     assert all(math.isfinite(x) and x >= 0 for x in profile.intra.latency.values()), profile
     assert 0 <= profile.comm_overlap <= 1 and 0 <= profile.launch_overhead < 1e-3
+    assert 0 <= profile.comm_issue_cost < 0.1  # seconds per collective: gloo's are a fraction of a millisecond
 
 
 def test_run_writes_the_profile(measured, tmp_path, monkeypatch):

@@ -465,7 +465,9 @@ def test_step_model_times_an_order_and_counts_workspace_until_the_wait():
     """Before scheduling (gather at use), each gather's 0.5 is exposed before its matmul (1):
     3 x 0.5 + 3 = 4.5. Prefetched one ahead, only the first is: 0.5 + 3 = 3.5; where compute
     keeps only 60% of its speed while a gather runs (overlap 0.6), each gather also costs
-    compute 0.2, but the first one's is spent waiting for it anyway: 3.5 + 2 x 0.2 = 3.9.
+    compute 0.2, but the first one's is spent waiting for it anyway: 3.5 + 2 x 0.2 = 3.9. An
+    issue cost adds to that (0.1 each: 3.5 + 2 x 0.3 = 4.1), but a collective never costs its
+    caller more than its own time (issue cost 1: 3.5 + 2 x 0.5 = 4.5, gathering at use).
     A collective's workspace adds to the peak while it is in flight, at most once per
     collective in flight."""
     forward = _bucketed("forward")
@@ -478,6 +480,8 @@ def test_step_model_times_an_order_and_counts_workspace_until_the_wait():
     prefetched = [n for n in forward.graph.nodes if n.op != "output"]
     assert step_time(prefetched, _matmuls_take_one, lambda n: 0.5) == 3.5
     assert step_time(prefetched, _matmuls_take_one, lambda n: 0.5, overlap=0.6) == pytest.approx(3.9)
+    assert step_time(prefetched, _matmuls_take_one, lambda n: 0.5, overlap=0.6, issue_cost=0.1) == pytest.approx(4.1)
+    assert step_time(prefetched, _matmuls_take_one, lambda n: 0.5, overlap=0.6, issue_cost=1.0) == pytest.approx(4.5)
 
 
 def test_a_collective_whose_backend_copies_its_input_frees_it_at_the_issue():

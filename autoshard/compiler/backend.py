@@ -151,7 +151,8 @@ def _finish(
     collectives = pipeline.gloo_memory(profile.comm_release_late, profile.comm_input_copied, opts.compiler)
     ctx = pipeline.Context(opts, side, compute_time, comm_time, workspace=workspace(profile), param_bytes=param_bytes,
                            collectives=collectives, fsdp2_policy=profile.fsdp2_policy(side),
-                           fsdp2_blocking=profile.fsdp2_blocking, comm_overlap=profile.comm_overlap)
+                           fsdp2_blocking=profile.fsdp2_blocking, comm_overlap=profile.comm_overlap,
+                           comm_issue_cost=profile.comm_issue_cost)
     # Outside the compile's fake mode and Python dispatcher: every torch call in the passes
     # would go through them (a view of a meta tensor: 75x slower). The passes build fake
     # values with their inputs' fake mode.

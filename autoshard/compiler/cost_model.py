@@ -60,6 +60,10 @@ class DeviceProfile:
     comm_overlap: the share of a collective's time during which compute keeps full speed:
         1 where collectives run on their own engines (GPUs), lower where they take cycles
         from compute (CPU ranks sharing cores with gloo's threads).
+    comm_issue_cost: seconds of compute each collective costs its caller besides that share
+        (issuing it; on CPU ranks gloo's thread waking and polling on the compute's cores), so
+        one more collective is never free while it hides: what a tiny all-gather hidden behind
+        matmuls adds to their time, less ``(1 - comm_overlap)`` of its latency. 0 on GPUs.
     comm_workspace: per collective kind, the bytes it allocates besides its input and output
         while in flight (issue to wait), as a fraction of its full buffer; none where absent.
         gloo stages a whole all-gather output and reduce-scatter input (:data:`GLOO_WORKSPACE`).
@@ -92,6 +96,7 @@ class DeviceProfile:
     inter: Link | None = None
     source: str = ""
     comm_overlap: float = 1.0
+    comm_issue_cost: float = 0.0
     op_overhead: float = 0.0
     comm_workspace: dict[str, float] = field(default_factory=dict, hash=False)
     comm_input_copied: tuple[str, ...] = ()
@@ -181,6 +186,9 @@ PROFILES: dict[str, DeviceProfile] = {
         ),
         source="measured by python -m autoshard calibrate on the 2-core development VM, 2026-11-29, torch 2.13.0+cpu",
         comm_overlap=0.64,
+        # Measured on 2026-12-02 (calibrate's method): a 64-byte all-gather hidden behind 1 ms
+        # of matmuls added 0.54-0.74 ms to them, against 0.19-0.52 ms for the all-gather alone.
+        comm_issue_cost=450e-6,
         comm_workspace=GLOO_WORKSPACE,
         comm_input_copied=GLOO_INPUT_COPIED,
         fsdp2_blocking=True,

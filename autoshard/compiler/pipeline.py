@@ -70,6 +70,7 @@ class Context:
     fsdp2_policy: tuple[int, int] = (1, 1)  # FSDP2 eager on this side and device (DeviceProfile.fsdp2_policy)
     fsdp2_blocking: bool = False  # DeviceProfile.fsdp2_blocking
     comm_overlap: float = 1.0  # DeviceProfile.comm_overlap: compute's share of full speed while a collective runs
+    comm_issue_cost: float = 0.0  # DeviceProfile.comm_issue_cost: compute each collective costs its caller besides
     # Set by the bucketing step for the schedule: the bucket cap it chose and the plan found for it.
     bucket_mb: float | None = None
     plan: Any = None
@@ -121,7 +122,7 @@ def _schedule(gm: fx.GraphModule, ctx: Context, budget: int | None, plan: Any = 
         no_more_than=ctx.fsdp2_policy if opts.schedule == "autoshard" else None, reference_blocking=ctx.fsdp2_blocking,
         shards_outside=ctx.side == "backward", late_release=ctx.collectives.late_release,
         input_copied=input_copied(ctx.collectives.input_copied), output_at_wait=ctx.collectives.output_at_wait,
-        plan=plan, only_plan=only_plan, comm_overlap=ctx.comm_overlap,
+        plan=plan, only_plan=only_plan, comm_overlap=ctx.comm_overlap, comm_issue_cost=ctx.comm_issue_cost,
     )
 
 

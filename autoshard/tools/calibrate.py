@@ -79,6 +79,7 @@ class Measurements:
     launch_overhead: float  # seconds
     op_overhead: float  # seconds
     comm_overlap: float  # share of a collective's time compute keeps running at full speed
+    comm_issue_cost: float  # seconds of compute each collective costs besides (DeviceProfile.comm_issue_cost)
     samples: list[Sample]
     threads: dict[int, int]  # world size -> threads per rank
 
@@ -136,7 +137,7 @@ def _matmul_flops(dtype: torch.dtype, repeats: int, min_seconds: float) -> float
 def compute_figures(repeats: int) -> dict[str, float]:
     """This rank's compute figures, measured as the module docstring says; every rank of the
     default group must call it together. Keys: the dtype names of MATMUL_DTYPES (FLOP/s),
-    ``mem_bandwidth``, ``op_overhead``, ``launch_overhead``, ``comm_overlap``."""
+    ``mem_bandwidth``, ``op_overhead``, ``launch_overhead``, ``comm_overlap``, ``comm_issue_cost``."""
     # Matmuls of about a millisecond, the size of a small model's layers: big ones run faster.
     figures = {name: _matmul_flops(dt, repeats, 0.001) for name, dt in zip(_DTYPE_NAMES, MATMUL_DTYPES)}
     a, b, c = (torch.ones(16 * 2**20) for _ in range(3))  # 64 MiB each, well past the caches
@@ -156,6 +157,7 @@ def compute_figures(repeats: int) -> dict[str, float]:
     add = statistics.median(_timed(calls_of(torch.ops.aten.add.Tensor, x, x), repeats)) / calls
     figures["launch_overhead"] = max(0.0, add - figures["op_overhead"])
     figures["comm_overlap"] = _comm_overlap(repeats)
+    figures["comm_issue_cost"] = _comm_issue_cost(repeats, figures["comm_overlap"])
     return figures
 
 
@@ -179,6 +181,32 @@ def _comm_overlap(repeats: int) -> float:
     t_comm = statistics.median(_timed(lambda: all_gather_single(full, shard), repeats))
     t_both = statistics.median(_timed(both, repeats))
     return min(1.0, max(0.0, (t_mm + t_comm - t_both) / min(t_mm, t_comm)))
+
+
+def _comm_issue_cost(repeats: int, overlap: float) -> float:
+    """What a tiny all-gather hidden behind ~1 ms of matmuls adds to their time, less the
+    ``1 - overlap`` share of its own latency that :data:`comm_overlap` already counts."""
+    w, group, n = dist.get_world_size(), dist.group.WORLD.group_name, 20
+    shard, a = torch.ones(16), torch.randn(256, 256)
+
+    def chunk() -> None:
+        for _ in range(3):
+            torch.mm(a, a)
+
+    def hidden() -> None:
+        for _ in range(n):
+            gathered = c10d.all_gather_into_tensor(shard, w, group)
+            chunk()
+            c10d.wait_tensor(gathered)
+
+    def alone() -> None:
+        for _ in range(n):
+            c10d.wait_tensor(c10d.all_gather_into_tensor(shard, w, group))
+
+    t_mm = statistics.median(_timed(lambda: [chunk() for _ in range(n)], repeats))
+    extra = (statistics.median(_timed(hidden, repeats)) - t_mm) / n
+    latency = statistics.median(_timed(alone, repeats)) / n
+    return max(0.0, extra - (1 - overlap) * latency)
 
 
 def _numel(nbytes: int, world_size: int) -> int:
@@ -237,6 +265,7 @@ def measure(
         launch_overhead=compute["launch_overhead"],
         op_overhead=compute["op_overhead"],
         comm_overlap=compute["comm_overlap"],
+        comm_issue_cost=compute["comm_issue_cost"],
         samples=samples,
         threads={w: _threads(w) for w in world_sizes},
     )
@@ -253,6 +282,7 @@ def with_compute(profile: DeviceProfile, figures: dict[str, float], name: str) -
         launch_overhead=figures["launch_overhead"],
         op_overhead=figures["op_overhead"],
         comm_overlap=figures["comm_overlap"],
+        comm_issue_cost=figures["comm_issue_cost"],
     )
 
 
@@ -297,6 +327,7 @@ def fit(measurements: Measurements, name: str = "calibrated") -> DeviceProfile:
         launch_overhead=measurements.launch_overhead,
         op_overhead=measurements.op_overhead,
         comm_overlap=measurements.comm_overlap,
+        comm_issue_cost=measurements.comm_issue_cost,
         ranks_per_node=1024,  # every rank is on this one machine
         intra=Link("gloo-loopback", latency, bandwidth),
         inter=None,
@@ -342,7 +373,8 @@ def fit_report(profile: DeviceProfile, measurements: Measurements) -> str:
     compute = (
         f"matmul GFLOP/s: {', '.join(f'{k} {v / 1e9:.3g}' for k, v in profile.peak_flops.items())}; "
         f"memory {profile.mem_bandwidth / 1e9:.3g} GB/s; launch overhead {profile.launch_overhead * 1e6:.3g} us, "
-        f"op overhead {profile.op_overhead * 1e6:.3g} us, comm overlap {profile.comm_overlap:.2f}"
+        f"op overhead {profile.op_overhead * 1e6:.3g} us, comm overlap {profile.comm_overlap:.2f}, "
+        f"comm issue cost {profile.comm_issue_cost * 1e6:.3g} us"
     )
     return "\n\n".join([
         compute,

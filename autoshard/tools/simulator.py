@@ -15,6 +15,7 @@ from torch import fx
 
 from autoshard.compiler.cost_model import DeviceProfile, collective_of, collective_time, get_profile, input_copied, node_time, workspace
 from autoshard.passes.graph_utils import COLLECTIVE_KINDS, PARAMS, is_wait
+from autoshard.passes.step_model import caller_cost
 from autoshard.tools.liveness import CATEGORIES, Liveness, MemoryPeak, Order, categorize, issuer, peak_of, saved_sources
 
 
@@ -108,7 +109,7 @@ def _simulate(order: Order, sources: dict[fx.Node, fx.Node], profile: DeviceProf
             duration = collective_time(kind, nbytes, ranks, profile)
             stream_free[group] = ends[node] = start + duration
             # Where collectives take cycles from compute, compute loses that share meanwhile.
-            exposed[node] = (1 - profile.comm_overlap) * duration
+            exposed[node] = caller_cost(duration, profile.comm_overlap, profile.comm_issue_cost)
             clock += exposed[node]
             busy[group] = busy.get(group, 0.0) + duration
             comm_bytes[kind] += nbytes
