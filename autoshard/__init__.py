@@ -13,11 +13,12 @@ from autoshard.runtime.mixed_precision import MixedPrecision
 from autoshard.runtime.shard import shard
 from autoshard.tools import launch
 from autoshard.tools.explain import explain, explain_graphs
+from autoshard.tools.plan import Plan, plan
 from autoshard.tools.report import Report
 
 __all__ = [
-    "MixedPrecision", "Report", "autoshard_backend", "checkpoint", "explain", "explain_graphs", "full_state_dict", "launch", "load",
-    "materialize", "ops", "save", "shard", "shards_in_place",
+    "MixedPrecision", "Plan", "Report", "autoshard_backend", "checkpoint", "explain", "explain_graphs", "full_state_dict", "launch",
+    "load", "materialize", "ops", "plan", "save", "shard", "shards_in_place",
 ]
 
 # Module paths users import (``autoshard.launch.run_ranks``, ``import autoshard.checkpoint``)

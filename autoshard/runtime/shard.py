@@ -22,7 +22,7 @@ import copy
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -173,11 +173,26 @@ def _reclass(module: nn.Module) -> None:
     module.__class__ = _sharded_class(type(module), tuple(sorted(getattr(module, "_autoshard_specs", {}))))
 
 
-def _default_mesh(module: nn.Module) -> DeviceMesh:
+def _default_mesh(module: nn.Module, shape: tuple[int, ...] | None = None) -> DeviceMesh:
+    """Every rank of the default group, laid out as ``shape`` (default: one dimension), on the
+    device type of the module's parameters."""
     device = next(iter(module.parameters()), torch.empty(0)).device.type
     if device == "meta":  # built for later materialization: where it will live, as FSDP2 assumes
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    return init_device_mesh(device, (dist.get_world_size(),))
+    return init_device_mesh(device, shape or (dist.get_world_size(),))
+
+
+def _planned(module: nn.Module, plan: Any, mesh: DeviceMesh | None, strategy: str) -> tuple[DeviceMesh | None, str]:
+    """The mesh and strategy of an :class:`autoshard.Plan` (see autoshard/tools/plan.py)."""
+    if mesh is not None or strategy != "full":
+        raise ValueError("autoshard.shard: pass either plan= or mesh/strategy, not both: the plan chooses them.")
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world != plan.world_size:
+        raise ValueError(f"autoshard.shard: the plan was made for {plan.world_size} ranks but this process group has {world}; "
+                         f"plan again with world_size={world}.")
+    if not dist.is_initialized():
+        return None, plan.strategy  # world size 1: nothing to shard
+    return _default_mesh(module, tuple(plan.mesh_shape)), plan.strategy
 
 
 def local_chunk(full: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...] | list[Placement]) -> torch.Tensor:
@@ -287,6 +302,7 @@ def shard(
     reshard_after_forward: bool | None = None,
     strategy: str = "full",
     mixed_precision: MixedPrecision | None = None,
+    plan: Any = None,
 ) -> nn.Module:
     """Shard ``module``'s parameters in place across the ranks of ``mesh`` and return it.
 
@@ -310,6 +326,8 @@ def shard(
         mixed_precision: an :class:`autoshard.MixedPrecision`: gather and compute in
             ``param_dtype``, reduce gradients in ``reduce_dtype``; the sharded parameters and
             the optimizer state keep their dtype.
+        plan: an :class:`autoshard.Plan` (:func:`autoshard.plan`): its strategy on the mesh
+            it describes, built over every rank (instead of ``mesh`` and ``strategy``).
 
     Build the optimizer after calling ``shard`` (as with FSDP2): it must see the sharded
     parameters. Parameters shared by several modules (tied weights) are sharded once.
@@ -321,6 +339,8 @@ def shard(
     checks that every rank shards the same structure (names, shapes, dtypes, strategy, mesh);
     if not, every rank raises the same ``ValueError`` naming the first difference.
     """
+    if plan is not None:
+        mesh, strategy = _planned(module, plan, mesh, strategy)
     _check(module, mesh, strategy, reshard_after_forward, mixed_precision)
     if not dist.is_initialized():
         if mixed_precision is not None:

@@ -3,6 +3,8 @@
     autoshard calibrate --out cpu.json     # measure this machine, write a device profile
     autoshard explain examples/train_gpt.py:build_model --world-size 64 --html out.html
                                            # compile in one process on a fake world, report what the backend did
+    autoshard plan examples/train_gpt.py:build_model --world-size 64 --ranks-per-node 8 --memory-budget-gb 40 --json plan.json
+                                           # choose the sharding layout (autoshard.shard(model, plan=...) applies it)
 """
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ from typing import Sequence
 from autoshard.tools import calibrate
 from autoshard.tools.explain import add_arguments as explain_arguments  # autoshard.explain is the function
 from autoshard.tools.explain import run as run_explain
+from autoshard.tools.plan import add_arguments as plan_arguments  # autoshard.plan is the function
+from autoshard.tools.plan import run as run_plan
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -19,6 +23,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     calibrate.add_arguments(commands.add_parser("calibrate", help="measure this machine and write a device profile (.json)"))
     explain_arguments(commands.add_parser("explain", help="compile a model on a fake world and report what the backend did"))
+    plan_arguments(commands.add_parser("plan", help="choose the sharding layout for a world size and memory budget"))
     args = parser.parse_args(argv)
-    return {"calibrate": calibrate.run, "explain": run_explain}[args.command](args)
+    return {"calibrate": calibrate.run, "explain": run_explain, "plan": run_plan}[args.command](args)
 

@@ -146,11 +146,12 @@ class UsageError(Exception):
     """A problem with the command line's inputs: reported as one line, exit status 1."""
 
 
-def load_factory(spec: str) -> Callable[[], nn.Module]:
-    """``path/to/file.py:name`` or ``package.module:name`` -> the callable ``name``."""
+def load_factory(spec: str, command: str = "explain") -> Callable[[], nn.Module]:
+    """``path/to/file.py:name`` or ``package.module:name`` -> the callable ``name``; errors
+    name ``autoshard <command>``."""
     where, sep, name = spec.rpartition(":")
     if not sep or not where or not name:
-        raise UsageError(f"autoshard explain: expected FILE.py:FACTORY or MODULE:FACTORY, got {spec!r}; "
+        raise UsageError(f"autoshard {command}: expected FILE.py:FACTORY or MODULE:FACTORY, got {spec!r}; "
                          "e.g. examples/train_gpt.py:build_model")
     try:
         if where.endswith(".py"):
@@ -166,10 +167,10 @@ def load_factory(spec: str) -> Callable[[], nn.Module]:
             module = importlib.import_module(where)
         factory = getattr(module, name)
     except Exception as e:  # anything the file raises on import is the file's problem
-        raise UsageError(f"autoshard explain: cannot load {name} from {where}: {type(e).__name__}: {e}; "
+        raise UsageError(f"autoshard {command}: cannot load {name} from {where}: {type(e).__name__}: {e}; "
                          "fix the path, the name or the file") from None
     if not callable(factory):
-        raise UsageError(f"autoshard explain: cannot load {name} from {where}: {type(factory).__name__} is not callable; "
+        raise UsageError(f"autoshard {command}: cannot load {name} from {where}: {type(factory).__name__} is not callable; "
                          "name a function that returns the model")
     return factory
 
@@ -184,6 +185,17 @@ def _shape(text: str) -> tuple[int, ...]:
     return shape
 
 
+def add_input_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags that describe the model's inputs (:func:`input_maker` reads them)."""
+    parser.add_argument("--batch", type=int, default=1, help="sequences per rank, for models with cfg.block_size and cfg.vocab_size "
+        "(default 1)")
+    parser.add_argument("--seq", type=int, help="sequence length for such models (default: cfg.block_size)")
+    parser.add_argument("--input-shape", type=_shape, action="append", metavar="SHAPE",
+                        help="shape of one input, like 4x16 (repeat for several inputs); required for models without "
+                            "cfg.block_size/vocab_size")
+    parser.add_argument("--input-dtype", default="float32", help="dtype of the --input-shape inputs (default float32; e.g. long, bfloat16)")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``autoshard explain`` flags."""
     parser.description = (
@@ -195,13 +207,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--world-size", type=int, default=8, help="ranks of the simulated world (default 8)")
     parser.add_argument("--profile", default="h100", help="device profile: h100, a100, cpu or a .json from `autoshard calibrate` (default "
         "h100)")
-    parser.add_argument("--batch", type=int, default=1, help="sequences per rank, for models with cfg.block_size and cfg.vocab_size "
-        "(default 1)")
-    parser.add_argument("--seq", type=int, help="sequence length for such models (default: cfg.block_size)")
-    parser.add_argument("--input-shape", type=_shape, action="append", metavar="SHAPE",
-                        help="shape of one input, like 4x16 (repeat for several inputs); required for models without "
-                            "cfg.block_size/vocab_size")
-    parser.add_argument("--input-dtype", default="float32", help="dtype of the --input-shape inputs (default float32; e.g. long, bfloat16)")
+    add_input_arguments(parser)
     parser.add_argument("--schedule", choices=SCHEDULES, default="autoshard", help="backend option schedule (default autoshard)")
     parser.add_argument("--bucket-mb", type=float, help="backend option bucket_mb: cap on a bucket's size in MiB")
     parser.add_argument("--max-inflight-mb", type=float, help="backend option max_inflight_mb: cap on gathered parameters alive at once in "
@@ -215,17 +221,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--passes", action="store_true", help="also print what each pass changed")
 
 
-def _input_maker(args: argparse.Namespace) -> Callable[[nn.Module], list[torch.Tensor]]:
+def input_maker(args: argparse.Namespace, command: str = "explain") -> Callable[[nn.Module], list[torch.Tensor]]:
+    """The model's example inputs as the :func:`add_input_arguments` flags describe them."""
     def make(model: nn.Module) -> list[torch.Tensor]:
         if args.input_shape:
             dtype = getattr(torch, args.input_dtype, None)
             if not isinstance(dtype, torch.dtype):
-                raise UsageError(f"autoshard explain: --input-dtype: unknown dtype {args.input_dtype!r}; "
+                raise UsageError(f"autoshard {command}: --input-dtype: unknown dtype {args.input_dtype!r}; "
                                  "give a torch dtype's name, e.g. float32, long or bfloat16")
             return [torch.zeros(shape, dtype=dtype) for shape in args.input_shape]
         cfg = getattr(model, "cfg", None)
         if not (hasattr(cfg, "block_size") and hasattr(cfg, "vocab_size")):
-            raise UsageError(f"autoshard explain: {type(model).__name__} has no cfg.block_size and cfg.vocab_size; "
+            raise UsageError(f"autoshard {command}: {type(model).__name__} has no cfg.block_size and cfg.vocab_size; "
                              "give its inputs with --input-shape")
         tokens = torch.zeros(args.batch, args.seq or cfg.block_size, dtype=torch.long)
         return [tokens, tokens]  # (idx, targets)
@@ -253,7 +260,7 @@ def run(args: argparse.Namespace) -> int:
         options["debug_dir"] = args.dump_dir
     try:
         factory = load_factory(args.factory)
-        reports = _explain(factory, _input_maker(args), args.world_size, args.profile, options)
+        reports = _explain(factory, input_maker(args), args.world_size, args.profile, options)
     except (UsageError, ValueError) as e:
         message = str(e) if str(e).startswith("autoshard") else f"autoshard explain: {e}"  # ours name their API
         sys.exit(message.replace("\n", " "))

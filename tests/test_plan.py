@@ -1,0 +1,114 @@
+"""autoshard.plan: every layout of the world compiled on fake ranks and played on the cost
+model; the fastest that fits the budget is chosen, and autoshard.shard(plan=...) applies it
+on real ranks."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import autoshard
+from autoshard.tools.launch import run_ranks
+from autoshard.tools.plan import Candidate, candidates
+
+from models import build
+from trainer import train_pair
+
+TOKENS = torch.zeros(1, 16, dtype=torch.long)
+
+
+@functools.cache
+def _plan(world: int = 16, per_node: int = 4, budget: float | None = None) -> autoshard.Plan:
+    lines: list[str] = []
+    plan = autoshard.plan(lambda: build("gpt"), TOKENS, TOKENS, world_size=world, ranks_per_node=per_node,
+                          memory_budget_gb=budget, progress=lines.append)
+    assert len(lines) == len(plan.outcomes)  # a progress line per candidate
+    return plan
+
+
+def test_the_candidates_are_every_strategy_and_hybrid_shard_groups_of_whole_nodes():
+    assert candidates(16, 4) == [Candidate("full", (16,)), Candidate("grad_op", (16,)), Candidate("hybrid", (4, 4)),
+                                 Candidate("hybrid", (2, 8)), Candidate("replicate", (16,))]
+    assert candidates(8, 8) == [Candidate("full", (8,)), Candidate("grad_op", (8,)), Candidate("replicate", (8,))]
+
+
+def test_without_a_budget_the_plan_is_the_fastest_candidate():
+    plan = _plan()
+    assert [o.candidate for o in plan.outcomes] == candidates(16, 4)
+    assert all(o.error is None and o.step_time > 0 and o.peak_bytes > 0 for o in plan.outcomes)
+    assert plan.chosen.step_time == min(o.step_time for o in plan.outcomes)
+    summary = plan.summary()
+    assert summary.count("\n* ") == 1 and "hybrid, shard over 2 nodes" in summary and "(4, 4)" in summary
+
+
+def test_a_budget_rules_out_the_candidates_above_it():
+    """A budget between the smallest and the largest candidate peak: the plan is the fastest
+    candidate that fits, never one above the budget (with the budget's schedule inside)."""
+    free = _plan()
+    peaks = sorted(o.peak_bytes for o in free.outcomes)
+    budget_bytes = (peaks[0] + peaks[-1]) // 2
+    plan = _plan(budget=budget_bytes / 2**30)
+    fitting = [o for o in plan.outcomes if o.error is None and o.peak_bytes <= budget_bytes]
+    assert fitting and len(fitting) < len(plan.outcomes)
+    assert plan.chosen.peak_bytes <= budget_bytes
+    assert plan.chosen.step_time == min(o.step_time for o in fitting)
+    assert "over budget" in plan.summary() or any(o.error for o in plan.outcomes)
+
+
+def test_a_budget_no_layout_fits_names_the_smallest_peak():
+    with pytest.raises(ValueError, match="no layout of 16 ranks fits memory_budget_gb"):
+        autoshard.plan(lambda: build("gpt"), TOKENS, TOKENS, world_size=16, ranks_per_node=4, memory_budget_gb=1e-9)
+
+
+def test_a_plan_round_trips_through_json(tmp_path):
+    plan = _plan()
+    plan.save(tmp_path / "plan.json")
+    assert autoshard.Plan.load(tmp_path / "plan.json") == plan
+
+
+def test_a_factory_must_leave_the_sharding_to_the_plan():
+    with pytest.raises(ValueError, match="return it unsharded"):
+        autoshard.plan(lambda: autoshard.shard(build("gpt")), TOKENS, TOKENS, world_size=8)
+
+
+def _train_planned(plans: dict[str, autoshard.Plan]) -> dict[str, dict]:
+    return {name: train_pair("uneven", functools.partial(autoshard.shard, plan=p)) for name, p in plans.items()}
+
+
+def test_a_plan_for_two_nodes_of_two_ranks_trains_like_one_process():
+    """The plan made for 4 ranks as 2 nodes x 2 ranks, and the same world laid out as hybrid
+    sharding over one node (a 2x2 mesh), applied on 4 gloo ranks: each trains like one process."""
+    plan = autoshard.plan(lambda: build("uneven"), *_uneven_args(), world_size=4, ranks_per_node=2)
+    hybrid = dataclasses.replace(plan, strategy="hybrid", mesh_shape=(2, 2))
+    for rank in run_ranks(4, _train_planned, {"planned": plan, "hybrid": hybrid}):
+        for name, found in rank.items():
+            assert found["loss"] <= 1e-5 and found["params"] <= 1e-5, (name, found)
+
+
+def _uneven_args() -> tuple:
+    from models import GLOBAL_BATCH, batch
+    x, y = batch("uneven", 0)
+    return x[: GLOBAL_BATCH // 4], y[: GLOBAL_BATCH // 4]
+
+
+def test_a_plan_for_another_world_size_is_refused():
+    plan = _plan()
+    with pytest.raises(ValueError, match="made for 16 ranks but this process group has 1"):
+        autoshard.shard(build("gpt"), plan=plan)
+    with pytest.raises(ValueError, match="either plan= or mesh/strategy"):
+        autoshard.shard(build("gpt"), plan=plan, strategy="replicate")
+
+
+def test_the_console_command_prints_each_candidate_and_writes_the_plan(tmp_path):
+    out = tmp_path / "plan.json"
+    proc = subprocess.run([sys.executable, "-m", "autoshard", "plan", "examples/train_gpt.py:build_model", "--world-size", "8",
+                           "--ranks-per-node", "4", "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    progress = [line for line in proc.stdout.splitlines() if line.startswith("autoshard plan: ")]
+    plan = autoshard.Plan.load(out)
+    assert len(progress) == len(plan.outcomes) == len(candidates(8, 4))
+    assert plan.world_size == 8 and plan.summary().splitlines()[0] in proc.stdout
