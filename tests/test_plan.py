@@ -112,3 +112,13 @@ def test_the_console_command_prints_each_candidate_and_writes_the_plan(tmp_path)
     plan = autoshard.Plan.load(out)
     assert len(progress) == len(plan.outcomes) == len(candidates(8, 4))
     assert plan.world_size == 8 and plan.summary().splitlines()[0] in proc.stdout
+
+
+def test_hybrid_shard_groups_stop_growing_once_a_fitting_one_is_slower():
+    from autoshard.tools.plan import Outcome, _past_the_best_hybrid
+    one, two, four = (Candidate("hybrid", (64 // n, n)) for n in (8, 16, 32))
+    fast, slower = Outcome(one, 1.0, 0.1, 100), Outcome(two, 2.0, 0.2, 90)
+    assert not _past_the_best_hybrid([fast], limit=1000)
+    assert _past_the_best_hybrid([fast, slower], limit=1000)
+    assert not _past_the_best_hybrid([fast, slower], limit=95)  # the slower one does not fit: bigger groups may
+    assert not _past_the_best_hybrid([slower, Outcome(four, 1.5, 0.1, 80)], limit=1000)  # still getting faster

@@ -145,6 +145,15 @@ def _over_budget(error: BaseException | None) -> bool:
     return False
 
 
+def _past_the_best_hybrid(outcomes: list[Outcome], limit: float) -> bool:
+    """Whether the hybrid candidates tried so far (shard groups growing) already passed the
+    fastest that fits: the last one fits and is slower than the one before it. A bigger shard
+    group holds less per rank but moves more of each gather across nodes, so from there on
+    the step only grows (an assumption that keeps planning at 1024 ranks to a few compiles)."""
+    tried = [o for o in outcomes if o.candidate.strategy == "hybrid" and o.error is None]
+    return len(tried) >= 2 and tried[-1].peak_bytes <= limit and tried[-1].step_time > tried[-2].step_time
+
+
 def plan(
     factory: Callable[[], nn.Module], *example_args: Any, world_size: int, ranks_per_node: int = 8,
     memory_budget_gb: float | None = None, profile: str = "h100", progress: Callable[[str], None] | None = None,
@@ -160,8 +169,11 @@ def plan(
         raise ValueError(f"autoshard.plan: world_size and ranks_per_node must be at least 1, got {world_size} and {ranks_per_node}.")
     states = Options(**{k: v for k, v in options.items() if k == "optimizer_states"}).optimizer_states
     budget = None if memory_budget_gb is None else {"memory_budget_gb": memory_budget_gb}
-    outcomes = []
+    limit = float("inf") if memory_budget_gb is None else memory_budget_gb * 2**30
+    outcomes: list[Outcome] = []
     for c in candidates(world_size, ranks_per_node):
+        if c.strategy == "hybrid" and _past_the_best_hybrid(outcomes, limit):
+            continue
         try:
             report = explain(_sharding(factory, c), *example_args, world_size=world_size, profile=profile, **(budget or {}), **options)
         except Exception as e:  # noqa: BLE001 - Dynamo wraps the backend's error; only the budget's is an outcome
@@ -175,7 +187,6 @@ def plan(
             o = outcomes[-1]
             progress(f"autoshard plan: {c.label(ranks_per_node)}: " + (o.error or f"step {fmt_time(o.step_time)}, "
                      f"peak {fmt_bytes(o.peak_bytes)}"))
-    limit = float("inf") if memory_budget_gb is None else memory_budget_gb * 2**30
     fitting = [(o.step_time, o.peak_bytes, i, o) for i, o in enumerate(outcomes) if o.error is None and o.peak_bytes <= limit]
     if not fitting:
         smallest = min((o.peak_bytes for o in outcomes if o.error is None), default=None)
