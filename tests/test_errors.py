@@ -31,6 +31,8 @@ WHERE = (
     "autoshard backend: ",  # compiling failed, not because of one option (ranks' plans differ, unknown options)
     "autoshard calibrate: ",  # the command lines
     "autoshard explain: ",
+    "autoshard plan: ",
+    "autoshard.plan: ",
 )
 
 # (file, enclosing function, exception) -> why its message need not start with a WHERE.
@@ -53,7 +55,10 @@ INTERNAL = {
 
 # Messages that start with an argument naming the API: (file, argument) -> the functions that
 # take it as their first argument; every call of those must pass a literal WHERE.
-DYNAMIC = {("autoshard/runtime/fail_together.py", "what"): ("fail_together", "check_same_on_all_ranks")}
+DYNAMIC = {
+    ("autoshard/runtime/fail_together.py", "what"): ("fail_together", "check_same_on_all_ranks"),
+    ("autoshard/tools/explain.py", "caller"): ("load_factory", "input_maker"),  # the command line's checks, shared
+}
 
 
 def _sources() -> list[Path]:

@@ -146,12 +146,12 @@ class UsageError(Exception):
     """A problem with the command line's inputs: reported as one line, exit status 1."""
 
 
-def load_factory(spec: str, command: str = "explain") -> Callable[[], nn.Module]:
+def load_factory(caller: str, spec: str) -> Callable[[], nn.Module]:
     """``path/to/file.py:name`` or ``package.module:name`` -> the callable ``name``; errors
-    name ``autoshard <command>``."""
+    start with ``caller`` (the command: ``"autoshard explain"``)."""
     where, sep, name = spec.rpartition(":")
     if not sep or not where or not name:
-        raise UsageError(f"autoshard {command}: expected FILE.py:FACTORY or MODULE:FACTORY, got {spec!r}; "
+        raise UsageError(f"{caller}: expected FILE.py:FACTORY or MODULE:FACTORY, got {spec!r}; "
                          "e.g. examples/train_gpt.py:build_model")
     try:
         if where.endswith(".py"):
@@ -167,10 +167,10 @@ def load_factory(spec: str, command: str = "explain") -> Callable[[], nn.Module]
             module = importlib.import_module(where)
         factory = getattr(module, name)
     except Exception as e:  # anything the file raises on import is the file's problem
-        raise UsageError(f"autoshard {command}: cannot load {name} from {where}: {type(e).__name__}: {e}; "
+        raise UsageError(f"{caller}: cannot load {name} from {where}: {type(e).__name__}: {e}; "
                          "fix the path, the name or the file") from None
     if not callable(factory):
-        raise UsageError(f"autoshard {command}: cannot load {name} from {where}: {type(factory).__name__} is not callable; "
+        raise UsageError(f"{caller}: cannot load {name} from {where}: {type(factory).__name__} is not callable; "
                          "name a function that returns the model")
     return factory
 
@@ -221,18 +221,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--passes", action="store_true", help="also print what each pass changed")
 
 
-def input_maker(args: argparse.Namespace, command: str = "explain") -> Callable[[nn.Module], list[torch.Tensor]]:
-    """The model's example inputs as the :func:`add_input_arguments` flags describe them."""
+def input_maker(caller: str, args: argparse.Namespace) -> Callable[[nn.Module], list[torch.Tensor]]:
+    """The model's example inputs as the :func:`add_input_arguments` flags describe them;
+    errors start with ``caller`` (the command)."""
     def make(model: nn.Module) -> list[torch.Tensor]:
         if args.input_shape:
             dtype = getattr(torch, args.input_dtype, None)
             if not isinstance(dtype, torch.dtype):
-                raise UsageError(f"autoshard {command}: --input-dtype: unknown dtype {args.input_dtype!r}; "
+                raise UsageError(f"{caller}: --input-dtype: unknown dtype {args.input_dtype!r}; "
                                  "give a torch dtype's name, e.g. float32, long or bfloat16")
             return [torch.zeros(shape, dtype=dtype) for shape in args.input_shape]
         cfg = getattr(model, "cfg", None)
         if not (hasattr(cfg, "block_size") and hasattr(cfg, "vocab_size")):
-            raise UsageError(f"autoshard {command}: {type(model).__name__} has no cfg.block_size and cfg.vocab_size; "
+            raise UsageError(f"{caller}: {type(model).__name__} has no cfg.block_size and cfg.vocab_size; "
                              "give its inputs with --input-shape")
         tokens = torch.zeros(args.batch, args.seq or cfg.block_size, dtype=torch.long)
         return [tokens, tokens]  # (idx, targets)
@@ -259,8 +260,8 @@ def run(args: argparse.Namespace) -> int:
     if args.dump_dir:
         options["debug_dir"] = args.dump_dir
     try:
-        factory = load_factory(args.factory)
-        reports = _explain(factory, input_maker(args), args.world_size, args.profile, options)
+        factory = load_factory("autoshard explain", args.factory)
+        reports = _explain(factory, input_maker("autoshard explain", args), args.world_size, args.profile, options)
     except (UsageError, ValueError) as e:
         message = str(e) if str(e).startswith("autoshard") else f"autoshard explain: {e}"  # ours name their API
         sys.exit(message.replace("\n", " "))

@@ -217,8 +217,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """``autoshard plan``: a progress line per candidate, then the plan's summary."""
     try:
-        factory = load_factory(args.factory, "plan")
-        make_inputs = input_maker(args, "plan")
+        factory = load_factory("autoshard plan", args.factory)
+        make_inputs = input_maker("autoshard plan", args)
         with torch.device("meta"):  # only to read the inputs' shapes off the model's config
             example = make_inputs(factory())
         result = plan(factory, *example, world_size=args.world_size, ranks_per_node=args.ranks_per_node,
