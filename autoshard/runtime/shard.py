@@ -182,17 +182,17 @@ def _default_mesh(module: nn.Module, shape: tuple[int, ...] | None = None) -> De
     return init_device_mesh(device, shape or (dist.get_world_size(),))
 
 
-def _planned(module: nn.Module, plan: Any, mesh: DeviceMesh | None, strategy: str) -> tuple[DeviceMesh | None, str]:
-    """The mesh and strategy of an :class:`autoshard.Plan` (see autoshard/tools/plan.py)."""
-    if mesh is not None or strategy != "full":
-        raise ValueError("autoshard.shard: pass either plan= or mesh/strategy, not both: the plan chooses them.")
+def _planned(module: nn.Module, plan: Any, mesh: DeviceMesh | None, strategy: str, mixed_precision: MixedPrecision | None) -> tuple:
+    """The mesh, strategy and mixed precision of an :class:`autoshard.Plan` (autoshard/tools/plan.py)."""
+    if mesh is not None or strategy != "full" or mixed_precision is not None:
+        raise ValueError("autoshard.shard: pass either plan= or mesh/strategy/mixed_precision, not both: the plan chooses them.")
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world != plan.world_size:
         raise ValueError(f"autoshard.shard: the plan was made for {plan.world_size} ranks but this process group has {world}; "
                          f"plan again with world_size={world}.")
     if not dist.is_initialized():
-        return None, plan.strategy  # world size 1: nothing to shard
-    return _default_mesh(module, tuple(plan.mesh_shape)), plan.strategy
+        return None, plan.strategy, None  # world size 1: nothing to shard
+    return _default_mesh(module, tuple(plan.mesh_shape)), plan.strategy, plan.mixed_precision
 
 
 def local_chunk(full: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...] | list[Placement]) -> torch.Tensor:
@@ -326,8 +326,9 @@ def shard(
         mixed_precision: an :class:`autoshard.MixedPrecision`: gather and compute in
             ``param_dtype``, reduce gradients in ``reduce_dtype``; the sharded parameters and
             the optimizer state keep their dtype.
-        plan: an :class:`autoshard.Plan` (:func:`autoshard.plan`): its strategy on the mesh
-            it describes, built over every rank (instead of ``mesh`` and ``strategy``).
+        plan: an :class:`autoshard.Plan` (:func:`autoshard.plan`): its strategy and precision
+            on the mesh it describes, built over every rank (instead of ``mesh``, ``strategy``
+            and ``mixed_precision``).
 
     Build the optimizer after calling ``shard`` (as with FSDP2): it must see the sharded
     parameters. Parameters shared by several modules (tied weights) are sharded once.
@@ -340,7 +341,7 @@ def shard(
     if not, every rank raises the same ``ValueError`` naming the first difference.
     """
     if plan is not None:
-        mesh, strategy = _planned(module, plan, mesh, strategy)
+        mesh, strategy, mixed_precision = _planned(module, plan, mesh, strategy, mixed_precision)
     _check(module, mesh, strategy, reshard_after_forward, mixed_precision)
     if not dist.is_initialized():
         if mixed_precision is not None:

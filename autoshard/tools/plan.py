@@ -12,8 +12,8 @@ plan=plan)`` applies it::
     print(plan.summary()); plan.save("plan.json")
     model = autoshard.shard(make_model(), plan=autoshard.Plan.load("plan.json"))   # on every rank
 
-One strategy for the whole model (per-block strategies and gather/reduce dtypes are not
-searched yet).
+With ``precisions=("fp32", "bf16")`` each layout is also tried in bfloat16 (gradients reduced
+in float32). One strategy for the whole model (per-block strategies are not searched yet).
 """
 from __future__ import annotations
 
@@ -29,24 +29,29 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from autoshard.compiler.options import Options
+from autoshard.runtime.mixed_precision import MixedPrecision
 from autoshard.runtime.shard import _SHARDED, shard
 from autoshard.tools.explain import UsageError, add_input_arguments, explain, input_maker, load_factory
 from autoshard.tools.report_svg import fmt_bytes, fmt_time
 
+PRECISIONS = ("fp32", "bf16")  # bf16: gathered and computed in bfloat16, gradients reduced in float32
+
 
 @dataclass(frozen=True)
 class Candidate:
-    """One layout of the world: a strategy and the mesh it shards over (``(world,)``, or
-    ``(replicas, shard_size)`` for ``"hybrid"``)."""
+    """One layout of the world: a strategy, the mesh it shards over (``(world,)``, or
+    ``(replicas, shard_size)`` for ``"hybrid"``) and the precision of gathers and compute."""
 
     strategy: str
     mesh_shape: tuple[int, ...]
+    precision: str = "fp32"
 
     def label(self, ranks_per_node: int) -> str:
-        if self.strategy != "hybrid":
-            return self.strategy
-        nodes = self.mesh_shape[1] / ranks_per_node
-        return f"hybrid, shard over {nodes:g} node{'s' if nodes != 1 else ''}"
+        name = self.strategy
+        if self.strategy == "hybrid":
+            nodes = self.mesh_shape[1] / ranks_per_node
+            name = f"hybrid, shard over {nodes:g} node{'s' if nodes != 1 else ''}"
+        return name if self.precision == "fp32" else f"{name}, {self.precision}"
 
 
 @dataclass(frozen=True)
@@ -60,15 +65,17 @@ class Outcome:
     error: str | None = None
 
 
-def candidates(world_size: int, ranks_per_node: int) -> list[Candidate]:
-    """The layouts searched, in the order ties are broken: full shard first."""
-    found = [Candidate("full", (world_size,)), Candidate("grad_op", (world_size,))]
+def candidates(world_size: int, ranks_per_node: int, precisions: tuple[str, ...] = ("fp32",)) -> list[Candidate]:
+    """The layouts searched, in the order ties are broken: full shard first, each layout in
+    every precision of ``precisions``."""
+    layouts = [("full", (world_size,)), ("grad_op", (world_size,))]
     shard_size = ranks_per_node
     while shard_size < world_size:
         if world_size % shard_size == 0:
-            found.append(Candidate("hybrid", (world_size // shard_size, shard_size)))
+            layouts.append(("hybrid", (world_size // shard_size, shard_size)))
         shard_size *= 2
-    return found + [Candidate("replicate", (world_size,))]
+    layouts.append(("replicate", (world_size,)))
+    return [Candidate(strategy, shape, precision) for strategy, shape in layouts for precision in precisions]
 
 
 @dataclass(frozen=True)
@@ -82,10 +89,20 @@ class Plan:
     profile: str
     memory_budget_gb: float | None
     outcomes: tuple[Outcome, ...] = field(default=())
+    precision: str = "fp32"
+
+    @property
+    def candidate(self) -> Candidate:
+        return Candidate(self.strategy, self.mesh_shape, self.precision)
 
     @property
     def chosen(self) -> Outcome:
-        return next(o for o in self.outcomes if o.candidate == Candidate(self.strategy, self.mesh_shape))
+        return next(o for o in self.outcomes if o.candidate == self.candidate)
+
+    @property
+    def mixed_precision(self) -> MixedPrecision | None:
+        """What ``autoshard.shard`` takes for the plan's precision."""
+        return _mixed_precision(self.precision)
 
     def mesh(self, device_type: str) -> Any:
         """The DeviceMesh the plan shards over (every rank of the default process group)."""
@@ -97,7 +114,7 @@ class Plan:
                  f"{'candidate':32s} {'mesh':>12s} {'step':>12s} {'exposed':>8s} {'peak per rank':>14s}"]
         for o in self.outcomes:
             c = o.candidate
-            mark = "*" if c == Candidate(self.strategy, self.mesh_shape) else " "
+            mark = "*" if c == self.candidate else " "
             name = f"{mark} {c.label(self.ranks_per_node)}"
             if o.error is not None:
                 lines.append(f"{name:32s} {str(c.mesh_shape):>12s} {o.error:>36s}")
@@ -113,7 +130,7 @@ class Plan:
     @staticmethod
     def from_json(text: str) -> Plan:
         data = json.loads(text)
-        outcomes = tuple(Outcome(**{**o, "candidate": Candidate(o["candidate"]["strategy"], tuple(o["candidate"]["mesh_shape"]))})
+        outcomes = tuple(Outcome(**{**o, "candidate": Candidate(**{**o["candidate"], "mesh_shape": tuple(o["candidate"]["mesh_shape"])})})
                          for o in data.pop("outcomes"))
         return Plan(**{**data, "mesh_shape": tuple(data["mesh_shape"]), "outcomes": outcomes})
 
@@ -125,13 +142,17 @@ class Plan:
         return Plan.from_json(Path(path).read_text())
 
 
+def _mixed_precision(precision: str) -> MixedPrecision | None:
+    return None if precision == "fp32" else MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
 def _sharding(factory: Callable[[], nn.Module], c: Candidate) -> Callable[[], nn.Module]:
     def make() -> nn.Module:
         model = factory()
         if getattr(model, _SHARDED, False):
             raise ValueError("autoshard.plan: the factory returned a sharded model; return it unsharded: the plan chooses "
                              "the sharding.")
-        return shard(model, init_device_mesh("cpu", c.mesh_shape), strategy=c.strategy)
+        return shard(model, init_device_mesh("cpu", c.mesh_shape), strategy=c.strategy, mixed_precision=_mixed_precision(c.precision))
 
     return make
 
@@ -146,7 +167,7 @@ def _over_budget(error: BaseException | None) -> bool:
 
 
 def _past_the_best_hybrid(outcomes: list[Outcome], limit: float) -> bool:
-    """Whether the hybrid candidates tried so far (shard groups growing) already passed the
+    """Whether the hybrid candidates tried so far in one precision (shard groups growing) already passed the
     fastest that fits: the last one fits and is slower than the one before it. A bigger shard
     group holds less per rank but moves more of each gather across nodes, so from there on
     the step only grows (an assumption that keeps planning at 1024 ranks to a few compiles)."""
@@ -156,23 +177,26 @@ def _past_the_best_hybrid(outcomes: list[Outcome], limit: float) -> bool:
 
 def plan(
     factory: Callable[[], nn.Module], *example_args: Any, world_size: int, ranks_per_node: int = 8,
-    memory_budget_gb: float | None = None, profile: str = "h100", progress: Callable[[str], None] | None = None,
-    **options: Any,
+    memory_budget_gb: float | None = None, profile: str = "h100", precisions: tuple[str, ...] = ("fp32",),
+    progress: Callable[[str], None] | None = None, **options: Any,
 ) -> Plan:
     """The fastest layout of ``factory``'s model over ``world_size`` ranks (``ranks_per_node``
     per node) whose predicted peak per rank fits ``memory_budget_gb`` (optimizer state
     included; None: any), on ``profile``'s cost model. ``factory`` builds the model unsharded
     (called in a fake mode: no memory for weights); ``example_args`` and ``options`` are as
-    for :func:`autoshard.explain`. ``progress(line)`` gets a line per candidate.
+    for :func:`autoshard.explain`. ``precisions``: of :data:`PRECISIONS`, those a layout may
+    gather and compute in. ``progress(line)`` gets a line per candidate.
     ValueError when no candidate fits, naming the smallest peak one has."""
     if world_size < 1 or ranks_per_node < 1:
         raise ValueError(f"autoshard.plan: world_size and ranks_per_node must be at least 1, got {world_size} and {ranks_per_node}.")
+    if not precisions or not set(precisions) <= set(PRECISIONS):
+        raise ValueError(f"autoshard.plan: precisions must be some of {PRECISIONS}, got {precisions!r}; e.g. ('fp32', 'bf16').")
     states = Options(**{k: v for k, v in options.items() if k == "optimizer_states"}).optimizer_states
     budget = None if memory_budget_gb is None else {"memory_budget_gb": memory_budget_gb}
     limit = float("inf") if memory_budget_gb is None else memory_budget_gb * 2**30
     outcomes: list[Outcome] = []
-    for c in candidates(world_size, ranks_per_node):
-        if c.strategy == "hybrid" and _past_the_best_hybrid(outcomes, limit):
+    for c in candidates(world_size, ranks_per_node, tuple(precisions)):
+        if c.strategy == "hybrid" and _past_the_best_hybrid([o for o in outcomes if o.candidate.precision == c.precision], limit):
             continue
         try:
             report = explain(_sharding(factory, c), *example_args, world_size=world_size, profile=profile, **(budget or {}), **options)
@@ -194,7 +218,7 @@ def plan(
         raise ValueError(f"autoshard.plan: no layout of {world_size} ranks fits memory_budget_gb={memory_budget_gb}{hint}; raise the "
                          "budget, use more ranks, or recompute activations (torch.utils.checkpoint).")
     best = min(fitting, key=lambda t: t[:3])[3].candidate
-    return Plan(best.strategy, best.mesh_shape, world_size, ranks_per_node, profile, memory_budget_gb, tuple(outcomes))
+    return Plan(best.strategy, best.mesh_shape, world_size, ranks_per_node, profile, memory_budget_gb, tuple(outcomes), best.precision)
 
 
 # -- command line ------------------------------------------------------------------------------
@@ -210,6 +234,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ranks-per-node", type=int, default=8, help="ranks per node (default 8)")
     parser.add_argument("--memory-budget-gb", type=float, help="per-rank memory the plan must fit, optimizer state included (GiB)")
     parser.add_argument("--profile", default="h100", help="device profile: h100, a100, cpu or a .json from `autoshard calibrate`")
+    parser.add_argument("--precisions", nargs="+", choices=PRECISIONS, default=["fp32"],
+                        help="precisions a layout may gather and compute in (bf16: gradients reduced in float32)")
     add_input_arguments(parser)
     parser.add_argument("--json", metavar="PATH", help="write the plan here (autoshard.Plan.load reads it)")
 
@@ -222,7 +248,8 @@ def run(args: argparse.Namespace) -> int:
         with torch.device("meta"):  # only to read the inputs' shapes off the model's config
             example = make_inputs(factory())
         result = plan(factory, *example, world_size=args.world_size, ranks_per_node=args.ranks_per_node,
-                      memory_budget_gb=args.memory_budget_gb, profile=args.profile, progress=lambda line: print(line, flush=True))
+                      memory_budget_gb=args.memory_budget_gb, profile=args.profile, precisions=tuple(args.precisions),
+                      progress=lambda line: print(line, flush=True))
     except (UsageError, ValueError) as e:
         message = str(e) if str(e).startswith("autoshard") else f"autoshard plan: {e}"
         sys.exit(message.replace("\n", " "))
