@@ -104,10 +104,6 @@ class Plan:
         """What ``autoshard.shard`` takes for the plan's precision."""
         return _mixed_precision(self.precision)
 
-    def mesh(self, device_type: str) -> Any:
-        """The DeviceMesh the plan shards over (every rank of the default process group)."""
-        return init_device_mesh(device_type, self.mesh_shape)
-
     def summary(self) -> str:
         budget = "none" if self.memory_budget_gb is None else f"{self.memory_budget_gb:g} GiB"
         lines = [f"plan for {self.world_size} ranks ({self.ranks_per_node} per node), profile {self.profile}, budget {budget}",
