@@ -90,6 +90,13 @@ def test_a_plan_round_trips_through_json(tmp_path):
     assert autoshard.Plan.load(tmp_path / "plan.json") == plan
 
 
+def test_a_bad_backend_option_fails_before_any_compile():
+    lines: list[str] = []
+    with pytest.raises(ValueError, match="unknown option"):
+        autoshard.plan(lambda: build("gpt"), TOKENS, TOKENS, world_size=8, progress=lines.append, bucket_size=4)
+    assert lines == []
+
+
 def test_a_factory_must_leave_the_sharding_to_the_plan():
     with pytest.raises(ValueError, match="return it unsharded"):
         autoshard.plan(lambda: autoshard.shard(build("gpt")), TOKENS, TOKENS, world_size=8)

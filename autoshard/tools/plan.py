@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from autoshard.compiler.options import Options
+from autoshard.compiler.options import parse_options
 from autoshard.runtime.mixed_precision import MixedPrecision
 from autoshard.runtime.shard import _SHARDED, shard
 from autoshard.tools.explain import UsageError, add_input_arguments, explain, input_maker, load_factory
@@ -115,7 +115,7 @@ class Plan:
             if o.error is not None:
                 lines.append(f"{name:32s} {str(c.mesh_shape):>12s} {o.error:>36s}")
                 continue
-            over = "" if self.memory_budget_gb is None or o.peak_bytes <= self.memory_budget_gb * 2**30 else "  over budget"
+            over = "" if o.peak_bytes <= _limit_bytes(self.memory_budget_gb) else "  over budget"
             lines.append(f"{name:32s} {str(c.mesh_shape):>12s} {fmt_time(o.step_time):>12s} {o.exposed_comm / o.step_time:8.1%} "
                          f"{fmt_bytes(o.peak_bytes):>14s}{over}")
         return "\n".join(lines)
@@ -136,6 +136,10 @@ class Plan:
     @staticmethod
     def load(path: str | Path) -> Plan:
         return Plan.from_json(Path(path).read_text())
+
+
+def _limit_bytes(memory_budget_gb: float | None) -> float:
+    return float("inf") if memory_budget_gb is None else memory_budget_gb * 2**30
 
 
 def _mixed_precision(precision: str) -> MixedPrecision | None:
@@ -187,9 +191,10 @@ def plan(
         raise ValueError(f"autoshard.plan: world_size and ranks_per_node must be at least 1, got {world_size} and {ranks_per_node}.")
     if not precisions or not set(precisions) <= set(PRECISIONS):
         raise ValueError(f"autoshard.plan: precisions must be some of {PRECISIONS}, got {precisions!r}; e.g. ('fp32', 'bf16').")
-    states = Options(**{k: v for k, v in options.items() if k == "optimizer_states"}).optimizer_states
+    # Bad backend options fail here, before the first compile.
+    states = parse_options({"compiler": "aot_eager", **options}).optimizer_states
     budget = None if memory_budget_gb is None else {"memory_budget_gb": memory_budget_gb}
-    limit = float("inf") if memory_budget_gb is None else memory_budget_gb * 2**30
+    limit = _limit_bytes(memory_budget_gb)
     outcomes: list[Outcome] = []
     for c in candidates(world_size, ranks_per_node, tuple(precisions)):
         if c.strategy == "hybrid" and _past_the_best_hybrid([o for o in outcomes if o.candidate.precision == c.precision], limit):
