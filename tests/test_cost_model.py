@@ -3,6 +3,7 @@ GPT's real forward/backward graphs at world size 8 (fake process group, one proc
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 import pytest
@@ -94,6 +95,11 @@ def test_profile_json_round_trip(tmp_path):
     path = tmp_path / "mine.json"
     path.write_text(get_profile("a100").to_json())
     assert get_profile(str(path)) == get_profile("a100")
+    assert (get_profile(str(path)).busy_power_w, get_profile(str(path)).idle_power_w) == (400.0, 60.0)
+    # A file written before profiles had power figures still loads, without them.
+    old = {k: v for k, v in json.loads(get_profile("h100").to_json()).items() if not k.endswith("_power_w")}
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    assert get_profile(str(tmp_path / "old.json")) == dataclasses.replace(get_profile("h100"), busy_power_w=None, idle_power_w=None)
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(ValueError, match="bad.json.*autoshard calibrate"):
         get_profile(str(tmp_path / "bad.json"))

@@ -84,6 +84,8 @@ class DeviceProfile:
         early, each reduce-scatter ends before the next bucket, and its buffers are freed
         when the call returns. Elsewhere (GPUs) it prefetches the next bucket and keeps one
         reduce-scatter in flight. The default schedule never plans above that peak.
+    busy_power_w, idle_power_w: watts one device draws computing, and waiting (on the network);
+        None where unknown (then no energy is predicted). See ``StepAnalysis.energy_j``.
     """
 
     name: str
@@ -102,6 +104,8 @@ class DeviceProfile:
     comm_input_copied: tuple[str, ...] = ()
     comm_release_late: tuple[str, ...] = ()
     fsdp2_blocking: bool = False
+    busy_power_w: float | None = None
+    idle_power_w: float | None = None
 
     def fsdp2_policy(self, side: str) -> tuple[int, int]:
         """FSDP2 eager's (prefetch distance, reductions in flight) on ``side`` of the step."""
@@ -131,12 +135,15 @@ def uniform_link(name: str, latency: float, bandwidth: float) -> Link:
     return Link(name, dict.fromkeys(COLLECTIVE_KINDS, latency), dict.fromkeys(COLLECTIVE_KINDS, bandwidth))
 
 
-def _dgx(name: str, bf16: float, tf32: float, hbm: float, nvlink: Link, infiniband: Link, source: str) -> DeviceProfile:
+def _dgx(name: str, bf16: float, tf32: float, hbm: float, nvlink: Link, infiniband: Link, source: str,
+         watts: tuple[float, float]) -> DeviceProfile:
     """A GPU of an 8-GPU DGX node: dense tensor-core peaks (no sparsity; TF32 for float32,
-    which training enables for matmuls), ~5 us per kernel launch and scheduling gap."""
+    which training enables for matmuls), ~5 us per kernel launch and scheduling gap;
+    ``watts``: (busy, idle) power."""
     return DeviceProfile(
         name=name, peak_flops={"bfloat16": bf16, "float16": bf16, "float32": tf32}, mem_bandwidth=hbm,
         launch_overhead=5e-6, ranks_per_node=8, intra=nvlink, inter=infiniband,
+        busy_power_w=watts[0], idle_power_w=watts[1],
         source=f"{source}; nccl-tests PERFORMANCE.md (busbw)",
     )
 
@@ -154,18 +161,24 @@ PROFILES: dict[str, DeviceProfile] = {
     # NVIDIA H100 SXM5 datasheet: BF16/FP16 989 TFLOP/s, TF32 495 TFLOP/s, HBM3 3.35 TB/s.
     # NVLink 4: 900 GB/s bidirectional per GPU = 450 GB/s per direction; nccl-tests reach
     # about 80% of it as bus bandwidth for all-gather and reduce-scatter. DGX H100: one
-    # 400 Gb/s ConnectX-7 InfiniBand NIC per GPU = 50 GB/s; ~90% reached.
+    # 400 Gb/s ConnectX-7 InfiniBand NIC per GPU = 50 GB/s; ~90% reached. Power: busy at the
+    # datasheet's max TDP, 700 W (an upper bound: training rarely holds it). Idle 100 W is an
+    # approximation, not a datasheet figure: nvidia-smi commonly reads ~70-100 W on an idle H100
+    # SXM; we take the top, a waiting rank stays at P0 with its memory held (140-145 W is read
+    # so at 0% utilisation in github.com/wilicc/gpu-burn/issues/114).
     "h100": _dgx("h100", 989e12, 495e12, 3.35e12,
                  uniform_link("nvlink4", latency=2e-6, bandwidth=360e9),
                  uniform_link("infiniband-ndr", latency=5e-6, bandwidth=45e9),
-                 "NVIDIA H100 SXM5 datasheet; NVIDIA DGX H100 user guide"),
+                 "NVIDIA H100 SXM5 datasheet; NVIDIA DGX H100 user guide", watts=(700.0, 100.0)),
     # NVIDIA A100 SXM4 datasheet: BF16/FP16 312 TFLOP/s dense, TF32 156 TFLOP/s, 80 GB HBM2e
     # 2.039 TB/s. NVLink 3: 600 GB/s bidirectional = 300 GB/s per direction; ~80% as bus
     # bandwidth. DGX A100: one 200 Gb/s HDR InfiniBand NIC per GPU = 25 GB/s; ~90% reached.
+    # Power: busy at the datasheet's max TDP, 400 W; idle 60 W approximates what nvidia-smi
+    # commonly reads on an idle A100 SXM4 (~50-60 W), not a datasheet figure.
     "a100": _dgx("a100", 312e12, 156e12, 2.039e12,
                  uniform_link("nvlink3", latency=2e-6, bandwidth=240e9),
                  uniform_link("infiniband-hdr", latency=5e-6, bandwidth=22.5e9),
-                 "NVIDIA A100 SXM4 datasheet; NVIDIA DGX A100 user guide"),
+                 "NVIDIA A100 SXM4 datasheet; NVIDIA DGX A100 user guide", watts=(400.0, 60.0)),
     # The 2-core development machine, gloo over loopback, 2 ranks of 1 thread each: rounded
     # from `python -m autoshard calibrate --world-sizes 2` on a quiet machine (figures move by
     # up to 2x while other jobs share the cores). reduce_scatter is gloo's run as an
@@ -192,6 +205,7 @@ PROFILES: dict[str, DeviceProfile] = {
         comm_workspace=GLOO_WORKSPACE,
         comm_input_copied=GLOO_INPUT_COPIED,
         fsdp2_blocking=True,
+        # No power figures: this VM cannot read its package power, and a guess would only look precise.
     ),
 }
 
