@@ -20,7 +20,7 @@ from autoshard.compiler.cost_model import (
     node_flops,
     node_time,
 )
-from autoshard.tools.simulator import analyze
+from autoshard.tools.simulator import analyze, kwh_per_million_tokens
 
 from fake_pg import compile_step, fake_world
 
@@ -272,6 +272,24 @@ def test_waiting_late_hides_the_gather(world8):
     # waiting late, missed by the whole gather when waiting early.
     assert early.step_lower_bound == late.step_lower_bound == pytest.approx(late.compute_time)
     assert late.step_time == pytest.approx(late.step_lower_bound)
+
+
+def test_energy_is_compute_at_busy_power_and_exposed_comm_at_idle_power(world8):
+    h100 = get_profile("h100")
+    early, late = (analyze(_gather_and_compute(wait_early=w), None, h100) for w in (True, False))
+    assert early.exposed_comm > 0 and late.exposed_comm == 0
+    for a in (early, late):
+        assert a.energy_j == pytest.approx(a.compute_time * 700 + (a.step_time - a.compute_time) * 100)
+    assert late.energy_j < early.energy_j  # the hidden gather costs no waiting
+    assert analyze(_gather_and_compute(wait_early=True), None, "cpu").energy_j is None  # no power figures
+    assert analyze(_gather_and_compute(wait_early=True), None, dataclasses.replace(h100, idle_power_w=None)).energy_j is None
+
+
+def test_kwh_per_million_tokens():
+    assert kwh_per_million_tokens(3600.0, 1000, 1_000_000) == pytest.approx(1.0)  # 3.6 MJ = 1 kWh per step
+    assert kwh_per_million_tokens(36.0, 8, 8 * 2048) == pytest.approx(36 * 8 / 3.6e6 * 1e6 / (8 * 2048))
+    with pytest.raises(ValueError, match="tokens_per_step must be positive"):
+        kwh_per_million_tokens(36.0, 8, 0)
 
 
 def test_each_process_group_has_its_own_stream(world8):

@@ -62,6 +62,12 @@ class StepAnalysis:
     order; ``memory_curve`` the live bytes after each node starts; ``memory_by_category`` the
     same split by what the bytes hold (keys of :data:`autoshard.tools.liveness.CATEGORIES`):
     at every point the categories sum to the curve.
+
+    ``energy_j``: joules of one step on one rank: ``compute_time`` at the profile's busy power
+    (communication hidden behind compute costs nothing more: the device is busy anyway) plus
+    ``exposed_comm`` at its idle power (the rank waits on the network). Every rank is taken to
+    do the same work, so a step over all ranks costs ``world_size`` times this. None when the
+    profile has no power figures.
     """
 
     step_time: float
@@ -81,6 +87,7 @@ class StepAnalysis:
     # parameters (shards, batch, activations, gradients) plus the gathered storages that
     # node reads; the largest such total.
     memory_lower_bound: int
+    energy_j: float | None
     timeline: list[Event] = field(repr=False)
     memory_curve: list[tuple[float, int]] = field(repr=False)
     memory_by_category: dict[str, list[int]] = field(default_factory=dict, repr=False)
@@ -179,6 +186,22 @@ def _memory(order: Order, sources: dict[fx.Node, fx.Node], starts: list[float], 
     )
 
 
+def _energy(sim: dict, profile: DeviceProfile) -> float | None:
+    """Joules of one step on one rank (:attr:`StepAnalysis.energy_j`)."""
+    if profile.busy_power_w is None or profile.idle_power_w is None:
+        return None
+    return sim["compute_time"] * profile.busy_power_w + sim["exposed_comm"] * profile.idle_power_w
+
+
+def kwh_per_million_tokens(energy_j_per_rank: float, world_size: int, tokens_per_step: int) -> float:
+    """kWh that a million tokens cost when one step costs ``energy_j_per_rank`` joules on
+    each of ``world_size`` ranks and trains on ``tokens_per_step`` tokens over all of them."""
+    if world_size < 1 or tokens_per_step < 1:
+        raise ValueError(f"kwh_per_million_tokens: world_size and tokens_per_step must be positive, "
+                         f"got {world_size} and {tokens_per_step}.")
+    return energy_j_per_rank * world_size / 3.6e6 * 1e6 / tokens_per_step  # 1 kWh = 3.6e6 J
+
+
 def _free_compute(gm: fx.GraphModule, profile: DeviceProfile, *, after_collectives: bool) -> float:
     """Compute time of ``gm``'s nodes unrelated to its collectives: not depending on any
     (``after_collectives=False``: what can run before the first gather lands) or not feeding
@@ -219,7 +242,8 @@ def analyze(forward: fx.GraphModule, backward: fx.GraphModule | None, profile: s
     Nodes run in graph order, forward then backward, on one compute stream; collectives are
     issued when compute reaches them and run one at a time on their process group's stream;
     a ``wait_tensor`` stalls compute until its collective ends. ``backward=None`` analyses
-    the forward alone (inference). Deterministic; linear in the number of nodes.
+    the forward alone (inference). Deterministic; linear in the number of nodes. Energy as
+    :attr:`StepAnalysis.energy_j` models it, on the profile's power figures.
     """
     profile = get_profile(profile)
     stages = [("forward", forward)] + ([("backward", backward)] if backward is not None else [])
@@ -227,4 +251,5 @@ def analyze(forward: fx.GraphModule, backward: fx.GraphModule | None, profile: s
     sources = saved_sources(forward, backward)
     sim = _simulate(order, sources, profile)
     mem = _memory(order, sources, sim.pop("starts"), profile)
-    return StepAnalysis(**sim, **mem, step_lower_bound=_step_lower_bound(forward, backward, sim, profile))
+    return StepAnalysis(**sim, **mem, step_lower_bound=_step_lower_bound(forward, backward, sim, profile),
+                        energy_j=_energy(sim, profile))
