@@ -20,7 +20,7 @@ import autoshard
 from autoshard.tools.cli import main
 from autoshard.tools.explain import add_arguments
 from autoshard.tools.liveness import CATEGORIES
-from autoshard.tools.report import STAGES, Report, _fmt_bytes, _fmt_time
+from autoshard.tools.report import STAGES, Report, _fmt_bytes, _fmt_energy, _fmt_time
 from autoshard.tools.report_code import page_code
 from autoshard.tools.simulator import analyze
 
@@ -68,6 +68,20 @@ def test_the_summary_holds_the_simulators_numbers(report):
     for value in (_fmt_time(a.step_time), _fmt_time(a.exposed_comm), f"{a.overlap_ratio:.3f}", _fmt_bytes(a.peak_bytes),
                   f"{m['parameters']:,}", f"gap {100 * m['step_gap']:.1f}%", f"gap {100 * m['memory_gap']:.1f}%"):
         assert value in text
+
+
+def test_the_summary_gives_the_energy_per_step_per_rank_and_over_the_world(report):
+    m, energy = report.metrics, report.analysis.energy_j
+    assert report.world_size == 8 and energy > 0
+    assert m["energy_j"] == energy and m["energy_j_all_ranks"] == pytest.approx(8 * energy)
+    assert ("energy per step", f"{_fmt_energy(energy)} per rank, {_fmt_energy(8 * energy)} over 8 ranks") in report.summary_rows()
+    # Outside a process group the world is unknown: this rank's energy only; without power figures, no row.
+    alone = Report(report.stages, "h100")
+    assert alone.world_size is None and alone.metrics["energy_j_all_ranks"] is None
+    assert ("energy per step", f"{_fmt_energy(alone.metrics['energy_j'])} per rank") in alone.summary_rows()
+    cpu = Report(report.stages, "cpu")
+    assert cpu.metrics["energy_j"] is None and "energy" not in cpu.summary()
+    assert (_fmt_energy(63.2), _fmt_energy(64_700.0), _fmt_energy(0.5)) == ("63.2 J", "64.7 kJ", "0.5 J")
 
 
 def test_the_html_page_has_one_item_per_collective_and_the_memory_curve(report, tmp_path):

@@ -55,7 +55,8 @@ class Report:
     ``analysis``: :func:`autoshard.tools.simulator.analyze` of the final forward and backward (no
     backward for an inference graph) on ``profile``; ``metrics`` and every table, page and
     trace are read from it, never recomputed. Build it while the process group the graph
-    was compiled on is still initialised: collectives are priced by their group's ranks.
+    was compiled on is still initialised: collectives are priced by their group's ranks, and
+    its size is ``world_size`` (None without one), which prices the step's energy over all ranks.
     """
 
     def __init__(
@@ -68,6 +69,7 @@ class Report:
         self.profile = get_profile(profile)
         self.title = title
         self.rank = rank if rank is not None else (dist.get_rank() if dist.is_initialized() else 0)
+        self.world_size: int | None = dist.get_world_size() if dist.is_initialized() else None
         self.analysis: StepAnalysis = analyze(self.stages["forward"], self.stages.get("backward"), self.profile)
         self.passes = self._passes()
         self.metrics = self._metrics()
@@ -134,6 +136,9 @@ class Report:
             "step_gap": a.step_time / a.step_lower_bound - 1 if a.step_lower_bound else 0.0,
             "memory_lower_bound": a.memory_lower_bound,
             "memory_gap": a.peak_bytes / a.memory_lower_bound - 1 if a.memory_lower_bound else 0.0,
+            # Joules per step: this rank's, and every rank's (the same work each) where the world is known.
+            "energy_j": a.energy_j,
+            "energy_j_all_ranks": a.energy_j * self.world_size if a.energy_j is not None and self.world_size else None,
         }
 
     def collectives(self) -> list[Event]:
@@ -185,6 +190,7 @@ class Report:
             ("exposed communication", f"{_fmt_time(a.exposed_comm)} ({100 * a.exposed_comm / step:.1f}% of step)"),
             *self._exposed_rows(),
             ("overlap ratio", f"{a.overlap_ratio:.3f}"),
+            *self._energy_rows(),
             ("peak memory per rank", _fmt_bytes(a.peak_bytes) + (f" ({p.stage}, at {_fmt_time(p.time)})" if (p := a.memory_peak) else "")),
             *self._peak_rows(),
             *self._budget_rows(),
@@ -193,6 +199,14 @@ class Report:
             ("step lower bound", f"{_fmt_time(a.step_lower_bound)} (gap {100 * m['step_gap']:.1f}%)"),
             ("memory lower bound", f"{_fmt_bytes(a.memory_lower_bound)} (gap {100 * m['memory_gap']:.1f}%)"),
         ]
+
+    def _energy_rows(self) -> list[tuple[str, str]]:
+        """Energy per step, per rank and over all ranks; none where the profile has no power figures."""
+        m = self.metrics
+        if m["energy_j"] is None:
+            return []
+        over = f", {_fmt_energy(m['energy_j_all_ranks'])} over {self.world_size} ranks" if m["energy_j_all_ranks"] is not None else ""
+        return [("energy per step", f"{_fmt_energy(m['energy_j'])} per rank{over}")]
 
     def _exposed_rows(self, top: int = 3) -> list[tuple[str, str]]:
         """The collectives that added the most step time, worst first."""
@@ -300,6 +314,14 @@ class Report:
         self.save_html(folder / "report.html")
         self.save_chrome_trace(folder / "trace.json")
         (folder / "summary.txt").write_text(self.summary() + "\n\n" + "\n".join(p.text() for p in self.passes) + "\n")
+
+
+def _fmt_energy(joules: float) -> str:
+    """``joules`` in J, kJ, MJ or GJ, three significant digits."""
+    for unit, scale in (("GJ", 1e9), ("MJ", 1e6), ("kJ", 1e3)):
+        if abs(joules) >= scale:
+            return f"{joules / scale:.3g} {unit}"
+    return f"{joules:.3g} J"
 
 
 def _write_report(stages: Mapping[str, fx.GraphModule], profile: str | DeviceProfile, folder: Path) -> None:
