@@ -12,6 +12,8 @@ Schedules: "none" (gather at use, reduce at the end), "fsdp2" (FSDP2's policy on
 buckets: prefetch the next block, one reduce-scatter in flight), "inductor" (PyTorch's own
 bucketing and overlap scheduler) and "autoshard". Gaps are to the simulator's lower bounds
 (autoshard.tools.simulator.StepAnalysis). Weights and gradients are float32 (no mixed precision).
+Energy: ``energy_j`` per rank per step and ``kwh_per_mtok`` over all ranks, on the profile's busy
+and idle power (StepAnalysis.energy_j; empty on profiles without power figures).
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import autoshard  # noqa: E402
 from autoshard._compat import fake_process_group, fake_tensor_mode  # noqa: E402
 from autoshard.compiler.dump import recording  # noqa: E402
-from autoshard.tools.simulator import analyze  # noqa: E402
+from autoshard.tools.simulator import analyze, kwh_per_million_tokens  # noqa: E402
 
 from gpt import GPT, GPTConfig  # noqa: E402
 
@@ -60,6 +62,7 @@ def measure(cfg: GPTConfig, world: int, batch: int, schedule: str, profile: str)
     finally:
         dist.destroy_process_group()
     params = sum(p.numel() for p in model.parameters())
+    tokens = batch * cfg.block_size * world  # each rank takes its own slice of the global batch
     return {
         "schedule": schedule,
         "step_ms": a.step_time * 1e3,
@@ -69,6 +72,8 @@ def measure(cfg: GPTConfig, world: int, batch: int, schedule: str, profile: str)
         "bytes_per_param": a.peak_bytes / params,
         "step_gap_pct": 100 * (a.step_time / a.step_lower_bound - 1),
         "mem_gap_pct": 100 * (a.peak_bytes / a.memory_lower_bound - 1),
+        "energy_j": a.energy_j,
+        "kwh_per_mtok": None if a.energy_j is None else kwh_per_million_tokens(a.energy_j, world, tokens),
     }
 
 
