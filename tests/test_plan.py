@@ -12,8 +12,11 @@ import pytest
 import torch
 
 import autoshard
+from autoshard._compat import fake_tensor_mode
+from autoshard.compiler.cost_model import get_profile
 from autoshard.tools.launch import run_ranks
 from autoshard.tools.plan import Candidate, candidates
+from autoshard.tools.plan_layouts import Bounds, Params, repeated_blocks
 
 from fake_pg import fake_world
 from models import build
@@ -40,8 +43,10 @@ def test_the_candidates_are_every_strategy_and_hybrid_shard_groups_of_whole_node
 def test_without_a_budget_the_plan_is_the_fastest_candidate():
     plan = _plan()
     assert [o.candidate for o in plan.outcomes] == candidates(16, 4)
+    # This tiny model is compute-bound: no candidate's bounds rule it out, so each is compiled.
     assert all(o.error is None and o.step_time > 0 and o.peak_bytes > 0 for o in plan.outcomes)
     assert plan.chosen.step_time == min(o.step_time for o in plan.outcomes)
+    assert not plan.blocks  # the fastest fits: nothing to mix
     summary = plan.summary()
     assert summary.count("\n* ") == 1 and "hybrid, shard over 2 nodes" in summary and "(4, 4)" in summary
 
@@ -102,16 +107,19 @@ def test_a_factory_must_leave_the_sharding_to_the_plan():
         autoshard.plan(lambda: autoshard.shard(build("gpt")), TOKENS, TOKENS, world_size=8)
 
 
-def _train_planned(plans: dict[str, autoshard.Plan]) -> dict[str, dict]:
-    return {name: train_pair("uneven", functools.partial(autoshard.shard, plan=p)) for name, p in plans.items()}
+def _train_planned(plans: dict[str, tuple[str, autoshard.Plan]]) -> dict[str, dict]:
+    return {name: train_pair(model, functools.partial(autoshard.shard, plan=p)) for name, (model, p) in plans.items()}
 
 
 def test_a_plan_for_two_nodes_of_two_ranks_trains_like_one_process():
-    """The plan made for 4 ranks as 2 nodes x 2 ranks, and the same world laid out as hybrid
-    sharding over one node (a 2x2 mesh), applied on 4 gloo ranks: each trains like one process."""
+    """The plan made for 4 ranks as 2 nodes x 2 ranks, the same world laid out as hybrid
+    sharding over one node (a 2x2 mesh), and a mixed layout (the GPT's first block hybrid,
+    the rest full shard), applied on 4 gloo ranks: each trains like one process."""
     plan = autoshard.plan(lambda: build("uneven"), *_uneven_args(), world_size=4, ranks_per_node=2)
     hybrid = dataclasses.replace(plan, strategy="hybrid", mesh_shape=(2, 2))
-    for rank in run_ranks(4, _train_planned, {"planned": plan, "hybrid": hybrid}):
+    mixed = dataclasses.replace(plan, strategy="full", mesh_shape=(4,), blocks=("blocks.0",), block_strategy="hybrid",
+                                block_mesh_shape=(2, 2))
+    for rank in run_ranks(4, _train_planned, {"planned": ("uneven", plan), "hybrid": ("uneven", hybrid), "mixed": ("gpt", mixed)}):
         for name, found in rank.items():
             assert found["loss"] <= 1e-5 and found["params"] <= 1e-5, (name, found)
 
@@ -139,6 +147,88 @@ def test_the_console_command_prints_each_candidate_and_writes_the_plan(tmp_path)
     plan = autoshard.Plan.load(out)
     assert len(progress) == len(plan.outcomes) == len(candidates(8, 4))
     assert plan.world_size == 8 and plan.summary().splitlines()[0] in proc.stdout
+
+
+def test_the_bounds_are_below_what_the_compiled_candidates_cost():
+    """The planner skips a layout whose bounds already lose, so they must never exceed what
+    compiling the layout predicts: shards, gradients and optimizer state below its peak, its
+    busiest group's collectives below its step; mixed layouts sit between their two parts."""
+    plan = _plan()
+    with fake_tensor_mode():
+        params = Params.of(build("gpt"))
+    assert params.blocks.keys() == {"blocks.0", "blocks.1"}
+    bounds = Bounds(params, dataclasses.replace(get_profile("h100"), ranks_per_node=4), optimizer_states=2)
+    for o in plan.outcomes:
+        assert 0 < bounds.memory(o.candidate) <= o.peak_bytes, o
+        assert 0 < bounds.step(o.candidate) <= o.step_time, o
+    full, hybrid = Candidate("full", (16,)), Candidate("hybrid", (4, 4))
+    mixed = full.mixed(("blocks.0",), hybrid)
+    assert bounds.memory(full) < bounds.memory(mixed) < bounds.memory(hybrid)
+
+
+def test_repeated_blocks_are_the_largest_list_of_one_class():
+    assert repeated_blocks(build("gpt")) == ("blocks.0", "blocks.1")
+    assert repeated_blocks(build("mlp")) == ()
+
+
+# Wide and shallow, at 64 ranks of 8 per node: communication-bound (every full-shard gather
+# crosses nodes), yet quick to compile (a fake tensor's size costs nothing).
+WIDE = dict(vocab_size=64, block_size=16, n_layer=4, n_head=4, n_embd=512)
+
+
+def _wide():
+    from gpt import GPT, GPTConfig
+    return GPT(GPTConfig(**WIDE))
+
+
+@functools.cache
+def _wide_plans() -> tuple[autoshard.Plan, autoshard.Plan]:
+    free = autoshard.plan(_wide, TOKENS, TOKENS, world_size=64, ranks_per_node=8)
+    by = {o.candidate: o for o in free.outcomes}
+    full, hybrid = by[Candidate("full", (64,))], by[Candidate("hybrid", (8, 8))]
+    budget = full.peak_bytes + (hybrid.peak_bytes - full.peak_bytes) / 6  # full shard fits, hybrid over one node does not
+    return free, autoshard.plan(_wide, TOKENS, TOKENS, world_size=64, ranks_per_node=8, memory_budget_gb=budget / 2**30)
+
+
+def test_bounds_skip_layouts_that_cannot_win_without_compiling_them():
+    free, _ = _wide_plans()
+    assert free.candidate == Candidate("hybrid", (8, 8))
+    skipped = [o for o in free.outcomes if o.error and o.error.startswith("skipped")]
+    assert skipped and all(o.step_time is None for o in skipped)
+    assert {o.candidate.strategy for o in free.outcomes if o.error is None} >= {"full", "hybrid"}  # the baselines, always
+
+
+def test_under_a_budget_hybrid_misses_some_blocks_go_hybrid_and_beat_every_whole_model_layout():
+    """The budget lies between full shard's peak and hybrid-over-one-node's: the plan lays out
+    some blocks sharded within a node and the rest as the fastest layout that fits, faster than
+    every whole-model layout that fits and within the budget; explain of the model sharded by
+    the plan predicts what the plan says."""
+    _, plan = _wide_plans()
+    limit = plan.memory_budget_gb * 2**30
+    whole = [o for o in plan.outcomes if o.candidate.whole and o.error is None and o.peak_bytes <= limit]
+    hybrid = next(o for o in plan.outcomes if o.candidate == Candidate("hybrid", (8, 8)))
+    assert hybrid.error == "does not fit the budget" or hybrid.peak_bytes > limit
+    assert plan.blocks and plan.block_strategy == "hybrid" and plan.block_mesh_shape == (8, 8)
+    assert plan.chosen.peak_bytes <= limit
+    assert whole and plan.chosen.step_time < min(o.step_time for o in whole)
+    assert autoshard.Plan.from_json(plan.to_json()) == plan
+    assert "hybrid, shard over 1 node for blocks.0" in plan.summary()
+    report = autoshard.explain(lambda: autoshard.shard(_wide(), plan=plan), TOKENS, TOKENS, world_size=64, profile="h100",
+                               memory_budget_gb=plan.memory_budget_gb)
+    assert report.metrics["step_time"] == pytest.approx(plan.chosen.step_time, rel=1e-9)
+    with fake_world(64):
+        model = autoshard.shard(_wide(), plan=plan)
+    assert {spec.world_size for spec in model.blocks[0].fc._autoshard_specs.values()} == {8}
+    assert {spec.world_size for spec in model.blocks[-1].fc._autoshard_specs.values()} == {plan.mesh_shape[-1]}
+
+
+def test_a_plan_naming_a_block_the_model_lacks_is_refused_before_anything_changes():
+    _, plan = _wide_plans()
+    with fake_world(64):
+        model = build("gpt")
+        with pytest.raises(ValueError, match="does not have"):
+            autoshard.shard(model, plan=dataclasses.replace(plan, blocks=("blocks.0", "blocks.7")))
+        assert not any(getattr(m, "_autoshard_specs", None) for m in model.modules())
 
 
 def test_hybrid_shard_groups_stop_growing_once_a_fitting_one_is_slower():

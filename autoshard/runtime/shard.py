@@ -183,16 +183,33 @@ def _default_mesh(module: nn.Module, shape: tuple[int, ...] | None = None) -> De
 
 
 def _planned(module: nn.Module, plan: Any, mesh: DeviceMesh | None, strategy: str, mixed_precision: MixedPrecision | None) -> tuple:
-    """The mesh, strategy and mixed precision of an :class:`autoshard.Plan` (autoshard/tools/plan.py)."""
+    """The mesh, strategy and mixed precision of an :class:`autoshard.Plan` (autoshard/tools/plan.py)
+    for the root, after sharding the blocks the plan lays out otherwise (every name checked first)."""
     if mesh is not None or strategy != "full" or mixed_precision is not None:
         raise ValueError("autoshard.shard: pass either plan= or mesh/strategy/mixed_precision, not both: the plan chooses them.")
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world != plan.world_size:
         raise ValueError(f"autoshard.shard: the plan was made for {plan.world_size} ranks but this process group has {world}; "
                          f"plan again with world_size={world}.")
+    missing = [name for name in plan.blocks if not _has(module, name)]
+    if missing:
+        raise ValueError(f"autoshard.shard: the plan lays out {missing[0]!r}, which {type(module).__name__} does not have; "
+                         "plan again for this model.")
     if not dist.is_initialized():
         return None, plan.strategy, None  # world size 1: nothing to shard
+    if plan.blocks:  # blocks first, then the root, as with FSDP2's fully_shard
+        block_mesh = _default_mesh(module, tuple(plan.block_mesh_shape))
+        for name in plan.blocks:
+            shard(module.get_submodule(name), block_mesh, strategy=plan.block_strategy, mixed_precision=plan.mixed_precision)
     return _default_mesh(module, tuple(plan.mesh_shape)), plan.strategy, plan.mixed_precision
+
+
+def _has(module: nn.Module, name: str) -> bool:
+    try:
+        module.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
 
 
 def local_chunk(full: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...] | list[Placement]) -> torch.Tensor:

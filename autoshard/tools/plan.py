@@ -3,8 +3,13 @@
 Each candidate layout of the world (full shard, ZeRO-2, replicate, and hybrid sharding with a
 shard group of 1, 2, 4, ... nodes) is compiled for one training step as ``autoshard.explain``
 compiles it, with the memory budget's schedule decisions inside, and played on the cost
-model. The plan is the fastest candidate whose peak (optimizer state included) fits the
-budget; ties go to the smaller peak, then to the earlier candidate. Deterministic: the same
+model; a layout whose lower bounds (:mod:`autoshard.tools.plan_layouts`: its collectives
+alone, its shards, gradients and optimizer state alone) already lose is not compiled. Where
+the fastest layout does not fit the budget, the fastest that does is tried with as many of
+the model's repeated blocks laid out as the faster one as the budget holds (a mixed layout:
+those blocks sharded first, as FSDP2 users shard per block). The plan is the fastest
+candidate whose peak (optimizer state included) fits the budget; ties go to the smaller
+peak, then to the earlier candidate. Deterministic: the same
 model, world and profile give every rank the same plan, and ``autoshard.shard(model,
 plan=plan)`` applies it::
 
@@ -13,11 +18,12 @@ plan=plan)`` applies it::
     model = autoshard.shard(make_model(), plan=autoshard.Plan.load("plan.json"))   # on every rank
 
 With ``precisions=("fp32", "bf16")`` each layout is also tried in bfloat16 (gradients reduced
-in float32). One strategy for the whole model (per-block strategies are not searched yet).
+in float32); a mixed layout keeps one precision.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from dataclasses import asdict, dataclass, field
@@ -28,30 +34,14 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
+from autoshard._compat import fake_tensor_mode
+from autoshard.compiler.cost_model import get_profile
 from autoshard.compiler.options import parse_options
 from autoshard.runtime.mixed_precision import MixedPrecision
 from autoshard.runtime.shard import _SHARDED, shard
 from autoshard.tools.explain import UsageError, add_input_arguments, explain, input_maker, load_factory
+from autoshard.tools.plan_layouts import PRECISIONS, Bounds, Candidate, Params, candidates
 from autoshard.tools.report_svg import fmt_bytes, fmt_time
-
-PRECISIONS = ("fp32", "bf16")  # bf16: gathered and computed in bfloat16, gradients reduced in float32
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One layout of the world: a strategy, the mesh it shards over (``(world,)``, or
-    ``(replicas, shard_size)`` for ``"hybrid"``) and the precision of gathers and compute."""
-
-    strategy: str
-    mesh_shape: tuple[int, ...]
-    precision: str = "fp32"
-
-    def label(self, ranks_per_node: int) -> str:
-        name = self.strategy
-        if self.strategy == "hybrid":
-            nodes = self.mesh_shape[1] / ranks_per_node
-            name = f"hybrid, shard over {nodes:g} node{'s' if nodes != 1 else ''}"
-        return name if self.precision == "fp32" else f"{name}, {self.precision}"
 
 
 @dataclass(frozen=True)
@@ -65,22 +55,10 @@ class Outcome:
     error: str | None = None
 
 
-def candidates(world_size: int, ranks_per_node: int, precisions: tuple[str, ...] = ("fp32",)) -> list[Candidate]:
-    """The layouts searched, in the order ties are broken: full shard first, each layout in
-    every precision of ``precisions``."""
-    layouts = [("full", (world_size,)), ("grad_op", (world_size,))]
-    shard_size = ranks_per_node
-    while shard_size < world_size:
-        if world_size % shard_size == 0:
-            layouts.append(("hybrid", (world_size // shard_size, shard_size)))
-        shard_size *= 2
-    layouts.append(("replicate", (world_size,)))
-    return [Candidate(strategy, shape, precision) for strategy, shape in layouts for precision in precisions]
-
-
 @dataclass(frozen=True)
 class Plan:
-    """The chosen layout and what every candidate was predicted to cost."""
+    """The chosen layout and what every candidate was predicted to cost. Flat fields, so
+    ``autoshard.shard(model, plan=plan)`` reads them without importing the planner."""
 
     strategy: str
     mesh_shape: tuple[int, ...]
@@ -90,10 +68,13 @@ class Plan:
     memory_budget_gb: float | None
     outcomes: tuple[Outcome, ...] = field(default=())
     precision: str = "fp32"
+    blocks: tuple[str, ...] = ()  # sharded first, as block_strategy on block_mesh_shape
+    block_strategy: str = ""
+    block_mesh_shape: tuple[int, ...] = ()
 
     @property
     def candidate(self) -> Candidate:
-        return Candidate(self.strategy, self.mesh_shape, self.precision)
+        return Candidate(self.strategy, self.mesh_shape, self.precision, self.blocks, self.block_strategy, self.block_mesh_shape)
 
     @property
     def chosen(self) -> Outcome:
@@ -107,16 +88,17 @@ class Plan:
     def summary(self) -> str:
         budget = "none" if self.memory_budget_gb is None else f"{self.memory_budget_gb:g} GiB"
         lines = [f"plan for {self.world_size} ranks ({self.ranks_per_node} per node), profile {self.profile}, budget {budget}",
-                 f"{'candidate':32s} {'mesh':>12s} {'step':>12s} {'exposed':>8s} {'peak per rank':>14s}"]
+                 f"{'candidate':44s} {'mesh':>12s} {'step':>12s} {'exposed':>8s} {'peak per rank':>14s}"]
         for o in self.outcomes:
             c = o.candidate
             mark = "*" if c == self.candidate else " "
             name = f"{mark} {c.label(self.ranks_per_node)}"
+            mesh = str(c.mesh_shape) if c.whole else f"{c.mesh_shape}+{c.block_mesh_shape}"
             if o.error is not None:
-                lines.append(f"{name:32s} {str(c.mesh_shape):>12s} {o.error:>36s}")
+                lines.append(f"{name:44s} {mesh:>12s}   {o.error}")
                 continue
             over = "" if o.peak_bytes <= _limit_bytes(self.memory_budget_gb) else "  over budget"
-            lines.append(f"{name:32s} {str(c.mesh_shape):>12s} {fmt_time(o.step_time):>12s} {o.exposed_comm / o.step_time:8.1%} "
+            lines.append(f"{name:44s} {mesh:>12s} {fmt_time(o.step_time):>12s} {o.exposed_comm / o.step_time:8.1%} "
                          f"{fmt_bytes(o.peak_bytes):>14s}{over}")
         return "\n".join(lines)
 
@@ -126,9 +108,8 @@ class Plan:
     @staticmethod
     def from_json(text: str) -> Plan:
         data = json.loads(text)
-        outcomes = tuple(Outcome(**{**o, "candidate": Candidate(**{**o["candidate"], "mesh_shape": tuple(o["candidate"]["mesh_shape"])})})
-                         for o in data.pop("outcomes"))
-        return Plan(**{**data, "mesh_shape": tuple(data["mesh_shape"]), "outcomes": outcomes})
+        outcomes = tuple(Outcome(**{**o, "candidate": _candidate(o["candidate"])}) for o in data.pop("outcomes"))
+        return Plan(**{**data, **_tuples(data), "outcomes": outcomes})
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(self.to_json())
@@ -136,6 +117,17 @@ class Plan:
     @staticmethod
     def load(path: str | Path) -> Plan:
         return Plan.from_json(Path(path).read_text())
+
+
+_TUPLES = ("mesh_shape", "blocks", "block_mesh_shape")  # JSON keeps them as lists
+
+
+def _tuples(data: dict) -> dict:
+    return {key: tuple(data[key]) for key in _TUPLES if key in data}
+
+
+def _candidate(data: dict) -> Candidate:
+    return Candidate(**{**data, **_tuples(data)})
 
 
 def _limit_bytes(memory_budget_gb: float | None) -> float:
@@ -152,7 +144,12 @@ def _sharding(factory: Callable[[], nn.Module], c: Candidate) -> Callable[[], nn
         if getattr(model, _SHARDED, False):
             raise ValueError("autoshard.plan: the factory returned a sharded model; return it unsharded: the plan chooses "
                              "the sharding.")
-        return shard(model, init_device_mesh("cpu", c.mesh_shape), strategy=c.strategy, mixed_precision=_mixed_precision(c.precision))
+        precision = _mixed_precision(c.precision)
+        if c.blocks:  # blocks first, then the root, as with FSDP2's fully_shard
+            block_mesh = init_device_mesh("cpu", c.block_mesh_shape)
+            for name in c.blocks:
+                shard(model.get_submodule(name), block_mesh, strategy=c.block_strategy, mixed_precision=precision)
+        return shard(model, init_device_mesh("cpu", c.mesh_shape), strategy=c.strategy, mixed_precision=precision)
 
     return make
 
@@ -171,8 +168,93 @@ def _past_the_best_hybrid(outcomes: list[Outcome], limit: float) -> bool:
     fastest that fits: the last one fits and is slower than the one before it. A bigger shard
     group holds less per rank but moves more of each gather across nodes, so from there on
     the step only grows (an assumption that keeps planning at 1024 ranks to a few compiles)."""
-    tried = [o for o in outcomes if o.candidate.strategy == "hybrid" and o.error is None]
+    tried = [o for o in outcomes if o.candidate.strategy == "hybrid" and o.candidate.whole and o.error is None]
     return len(tried) >= 2 and tried[-1].peak_bytes <= limit and tried[-1].step_time > tried[-2].step_time
+
+
+class _Search:
+    """The outcomes found so far, and how to add one (compile the candidate, or say why not)."""
+
+    def __init__(self, factory: Callable[[], nn.Module], example_args: tuple, options: dict, bounds: Bounds, limit: float,
+                 ranks_per_node: int, progress: Callable[[str], None] | None) -> None:
+        # options: explain's keyword arguments (world_size, profile, the backend options).
+        self.factory, self.example_args, self.options, self.bounds, self.limit = factory, example_args, options, bounds, limit
+        self.ranks_per_node, self.progress = ranks_per_node, progress
+        self.outcomes: list[Outcome] = []
+
+    def fitting(self, precision: str | None = None) -> list[Outcome]:
+        return [o for o in self.outcomes if o.error is None and o.peak_bytes <= self.limit
+                and precision in (None, o.candidate.precision)]
+
+    def fastest_fitting(self, precision: str | None = None) -> Outcome | None:
+        return min(self.fitting(precision), key=lambda o: (o.step_time, o.peak_bytes), default=None)
+
+    def why_not(self, c: Candidate) -> str | None:
+        """Why compiling ``c`` cannot change the plan (its bounds), or None."""
+        floor = self.bounds.memory(c)
+        if floor > self.limit:
+            return f"skipped: shards, gradients and optimizer state alone take {fmt_bytes(floor)}"
+        best = self.fastest_fitting()
+        if best is not None and self.bounds.step(c) >= best.step_time:
+            return (f"skipped: its collectives alone take {fmt_time(self.bounds.step(c))}, "
+                    f"slower than {best.candidate.label(self.ranks_per_node)}")
+        return None
+
+    def add(self, c: Candidate, skip: str | None = None) -> Outcome:
+        if skip is not None:
+            outcome = Outcome(c, error=skip)
+        else:
+            try:
+                report = explain(_sharding(self.factory, c), *self.example_args, **self.options)
+            except Exception as e:  # noqa: BLE001 - Dynamo wraps the backend's error; only the budget's is an outcome
+                if not _over_budget(e):
+                    raise
+                outcome = Outcome(c, error="does not fit the budget")
+            else:
+                m = report.metrics
+                states = self.bounds.optimizer_states
+                outcome = Outcome(c, m["step_time"], m["exposed_comm"], int(m["peak_bytes"] + states * m["shard_bytes"]))
+        self.outcomes.append(outcome)
+        if self.progress is not None:
+            self.progress(f"autoshard plan: {c.label(self.ranks_per_node)}: " + (outcome.error or f"step {fmt_time(outcome.step_time)}, "
+                          f"peak {fmt_bytes(outcome.peak_bytes)}"))
+        return outcome
+
+
+def _whole_model(search: _Search, candidates: list[Candidate]) -> None:
+    """Each of ``candidates`` (whole-model layouts), compiled only where its bounds leave it a
+    chance; hybrid shard groups stop growing once one that fits is slower than the one before."""
+    for c in candidates:
+        skip = search.why_not(c)
+        same = [o for o in search.outcomes if o.candidate.precision == c.precision]
+        if skip is None and c.strategy == "hybrid" and _past_the_best_hybrid(same, search.limit):
+            skip = "skipped: a smaller shard group that fits is faster"
+        search.add(c, skip)
+
+
+def _mixed(search: _Search, blocks: tuple[str, ...], precision: str) -> None:
+    """Where a faster whole-model layout does not fit but a slower one does: the fastest that
+    fits with as many repeated blocks laid out as the faster one as the budget holds (the first
+    ones), the count from the state each block moves, then checked by compiling (at most
+    three tries, halving the count each time the budget is missed)."""
+    slow = search.fastest_fitting(precision)
+    if slow is None or not blocks or not slow.candidate.whole:
+        return
+    faster = [o.candidate for o in search.outcomes if o.candidate.precision == precision and o.candidate.whole
+              and (o.error == "does not fit the budget" or (o.error is None and o.peak_bytes > search.limit))
+              and search.bounds.step(o.candidate) < slow.step_time]
+    if not faster:
+        return
+    fast, s = min(faster, key=search.bounds.step), slow.candidate
+    gain = [search.bounds.memory(s.mixed(blocks[: k + 1], fast)) - search.bounds.memory(s) for k in range(len(blocks))]
+    k = sum(1 for g in gain if slow.peak_bytes + g <= search.limit)
+    for _ in range(3):
+        if k == 0 or any(o.candidate == s.mixed(blocks[:k], fast) for o in search.outcomes):
+            return
+        outcome = search.add(s.mixed(blocks[:k], fast))
+        if outcome.error is None and outcome.peak_bytes <= search.limit:
+            return
+        k //= 2
 
 
 def plan(
@@ -186,6 +268,11 @@ def plan(
     (called in a fake mode: no memory for weights); ``example_args`` and ``options`` are as
     for :func:`autoshard.explain`. ``precisions``: of :data:`PRECISIONS`, those a layout may
     gather and compute in. ``progress(line)`` gets a line per candidate.
+
+    Whole-model layouts first (full shard and hybrid over one node always compiled, the others
+    only where the lower bounds of :mod:`autoshard.tools.plan_layouts` leave them a chance),
+    then, where the fastest does not fit the budget, the fastest that fits with as many of
+    the model's repeated blocks as fit laid out as the faster one.
     ValueError when no candidate fits, naming the smallest peak one has."""
     if world_size < 1 or ranks_per_node < 1:
         raise ValueError(f"autoshard.plan: world_size and ranks_per_node must be at least 1, got {world_size} and {ranks_per_node}.")
@@ -193,33 +280,35 @@ def plan(
         raise ValueError(f"autoshard.plan: precisions must be some of {PRECISIONS}, got {precisions!r}; e.g. ('fp32', 'bf16').")
     # Bad backend options fail here, before the first compile.
     states = parse_options({"compiler": "aot_eager", **options}).optimizer_states
-    budget = None if memory_budget_gb is None else {"memory_budget_gb": memory_budget_gb}
+    # The profile's links as the plan's nodes have them.
+    device = dataclasses.replace(get_profile(profile), ranks_per_node=ranks_per_node)
+    budget = {} if memory_budget_gb is None else {"memory_budget_gb": memory_budget_gb}
+    with fake_tensor_mode():
+        params = Params.of(factory())
     limit = _limit_bytes(memory_budget_gb)
-    outcomes: list[Outcome] = []
-    for c in candidates(world_size, ranks_per_node, tuple(precisions)):
-        if c.strategy == "hybrid" and _past_the_best_hybrid([o for o in outcomes if o.candidate.precision == c.precision], limit):
-            continue
-        try:
-            report = explain(_sharding(factory, c), *example_args, world_size=world_size, profile=profile, **(budget or {}), **options)
-        except Exception as e:  # noqa: BLE001 - Dynamo wraps the backend's error; only the budget's is an outcome
-            if not _over_budget(e):
-                raise
-            outcomes.append(Outcome(c, error="does not fit the budget"))
-        else:
-            m = report.metrics
-            outcomes.append(Outcome(c, m["step_time"], m["exposed_comm"], int(m["peak_bytes"] + states * m["shard_bytes"])))
-        if progress is not None:
-            o = outcomes[-1]
-            progress(f"autoshard plan: {c.label(ranks_per_node)}: " + (o.error or f"step {fmt_time(o.step_time)}, "
-                     f"peak {fmt_bytes(o.peak_bytes)}"))
-    fitting = [(o.step_time, o.peak_bytes, i, o) for i, o in enumerate(outcomes) if o.error is None and o.peak_bytes <= limit]
+    search = _Search(factory, example_args, {"world_size": world_size, "profile": device, **budget, **options},
+                     Bounds(params, device, states), limit, ranks_per_node, progress)
+    whole = candidates(world_size, ranks_per_node, tuple(precisions))
+    # The baselines first, always compiled (full shard, hybrid over one node); then the mixed
+    # layouts between them, whose steps let the bounds rule out more of the rest; then the rest.
+    baselines = [c for c in whole if c.strategy == "full" or c.mesh_shape == (world_size // ranks_per_node, ranks_per_node)]
+    for c in baselines:
+        search.add(c)
+    for layouts in ([], [c for c in whole if c not in baselines]):
+        _whole_model(search, layouts)
+        for precision in precisions:
+            _mixed(search, tuple(params.blocks), precision)
+    order = {c: i for i, c in enumerate(whole)}
+    outcomes = sorted(search.outcomes, key=lambda o: order.get(o.candidate, len(order)))
+    fitting = [(o.step_time, o.peak_bytes, i, o) for i, o in enumerate(outcomes) if o in search.fitting()]
     if not fitting:
         smallest = min((o.peak_bytes for o in outcomes if o.error is None), default=None)
         hint = "" if smallest is None else f"; the smallest candidate peak is {smallest / 2**30:.3f} GiB"
         raise ValueError(f"autoshard.plan: no layout of {world_size} ranks fits memory_budget_gb={memory_budget_gb}{hint}; raise the "
                          "budget, use more ranks, or recompute activations (torch.utils.checkpoint).")
     best = min(fitting, key=lambda t: t[:3])[3].candidate
-    return Plan(best.strategy, best.mesh_shape, world_size, ranks_per_node, profile, memory_budget_gb, tuple(outcomes), best.precision)
+    return Plan(best.strategy, best.mesh_shape, world_size, ranks_per_node, device.name, memory_budget_gb, tuple(outcomes),
+                best.precision, best.blocks, best.block_strategy, best.block_mesh_shape)
 
 
 # -- command line ------------------------------------------------------------------------------

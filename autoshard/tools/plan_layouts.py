@@ -1,0 +1,171 @@
+"""The layouts ``autoshard.plan`` searches, and what each costs at least, read off the model's
+parameters alone (no compile).
+
+A layout (:class:`Candidate`) is a strategy on a mesh in a precision for the whole model, or,
+for a mixed layout, a second strategy and mesh for some of its repeated blocks (sharded
+first, as FSDP2 users call ``fully_shard`` per block). :class:`Bounds` prices a layout from
+below: the bytes its collectives must move on their busiest stream (every parameter gathered
+and every gradient reduced once per use, in one collective each: splitting only adds
+latency), and the per-rank state no schedule avoids (shards, gradients and optimizer state).
+The planner compiles a layout only when these bounds leave it a chance to be chosen.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from autoshard.compiler.cost_model import DeviceProfile, collective_time
+
+PRECISIONS = ("fp32", "bf16")  # bf16: gathered and computed in bfloat16, gradients reduced in float32
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One layout of the world: a strategy, the mesh it shards over (``(world,)``, or
+    ``(replicas, shard_size)`` for ``"hybrid"``) and the precision of gathers and compute;
+    for a mixed layout, the repeated ``blocks`` laid out as ``block_strategy`` on
+    ``block_mesh_shape`` instead (the rest of the model as ``strategy``)."""
+
+    strategy: str
+    mesh_shape: tuple[int, ...]
+    precision: str = "fp32"
+    blocks: tuple[str, ...] = ()
+    block_strategy: str = ""
+    block_mesh_shape: tuple[int, ...] = ()
+
+    def label(self, ranks_per_node: int) -> str:
+        name = _layout_label(self.strategy, self.mesh_shape, ranks_per_node)
+        if self.blocks:
+            span = self.blocks[0] if len(self.blocks) == 1 else f"{self.blocks[0]}..{self.blocks[-1]}"
+            name += f"; {_layout_label(self.block_strategy, self.block_mesh_shape, ranks_per_node)} for {span}"
+        return name if self.precision == "fp32" else f"{name}, {self.precision}"
+
+    @property
+    def whole(self) -> bool:
+        """One strategy for the whole model."""
+        return not self.blocks
+
+    def mixed(self, blocks: tuple[str, ...], fast: Candidate) -> Candidate:
+        """This layout with ``blocks`` laid out as ``fast`` is."""
+        return Candidate(self.strategy, self.mesh_shape, self.precision, tuple(blocks), fast.strategy, fast.mesh_shape)
+
+
+def _layout_label(strategy: str, mesh_shape: tuple[int, ...], ranks_per_node: int) -> str:
+    if strategy != "hybrid":
+        return strategy
+    nodes = mesh_shape[1] / ranks_per_node
+    return f"hybrid, shard over {nodes:g} node{'s' if nodes != 1 else ''}"
+
+
+def candidates(world_size: int, ranks_per_node: int, precisions: tuple[str, ...] = ("fp32",)) -> list[Candidate]:
+    """The whole-model layouts searched, in the order ties are broken: full shard first, each
+    layout in every precision of ``precisions``."""
+    layouts = [("full", (world_size,)), ("grad_op", (world_size,))]
+    shard_size = ranks_per_node
+    while shard_size < world_size:
+        if world_size % shard_size == 0:
+            layouts.append(("hybrid", (world_size // shard_size, shard_size)))
+        shard_size *= 2
+    layouts.append(("replicate", (world_size,)))
+    return [Candidate(strategy, shape, precision) for strategy, shape in layouts for precision in precisions]
+
+
+def repeated_blocks(model: nn.Module) -> tuple[str, ...]:
+    """The names of the model's repeated blocks: the entries of its largest (by parameters)
+    ``nn.ModuleList`` or ``nn.Sequential`` of two or more modules of one class, each owning
+    parameters (``blocks.0``, ``blocks.1``, ... in a GPT; ``model.layers.*`` in Llama)."""
+    best: tuple[int, tuple[str, ...]] = (0, ())
+    for prefix, module in model.named_modules():
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)) or len(module) < 2:
+            continue
+        children = list(module.named_children())
+        if len({type(child) for _, child in children}) != 1:
+            continue
+        size = sum(p.numel() for _, child in children for p in child.parameters())
+        if size and all(any(True for _ in child.parameters()) for _, child in children) and size > best[0]:
+            best = (size, tuple(f"{prefix}.{name}" if prefix else name for name, _ in children))
+    return best[1]
+
+
+@dataclass(frozen=True)
+class Params:
+    """What the bounds need of a model: the bytes of its distinct splittable (dim > 0)
+    parameters, in their own dtypes, and of each repeated block's."""
+
+    nbytes: int
+    trainable_nbytes: int
+    element_size: float  # bytes per element, on average
+    blocks: dict[str, tuple[int, int]]  # repeated block -> (nbytes, trainable nbytes)
+
+    @staticmethod
+    def of(model: nn.Module) -> Params:
+        def sizes(module: nn.Module) -> tuple[int, int, int]:
+            split = [p for p in module.parameters() if p.dim() > 0]
+            nbytes = lambda ps: sum(p.numel() * p.element_size() for p in ps)  # noqa: E731
+            return nbytes(split), nbytes([p for p in split if p.requires_grad]), sum(p.numel() for p in split)
+
+        nbytes, trainable, numel = sizes(model)
+        blocks = {name: sizes(model.get_submodule(name))[:2] for name in repeated_blocks(model)}
+        return Params(nbytes, trainable, nbytes / max(numel, 1), blocks)
+
+
+def _shard_size(strategy: str, mesh_shape: tuple[int, ...]) -> int:
+    return 1 if strategy == "replicate" else mesh_shape[-1]
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """Lower bounds of a layout's predicted step and peak, from :class:`Params` alone.
+    Assumes every parameter is used by the forward (an unused one moves no bytes)."""
+
+    params: Params
+    profile: DeviceProfile
+    optimizer_states: int
+
+    def _parts(self, c: Candidate) -> list[tuple[str, tuple[int, ...], float, float]]:
+        """(strategy, mesh shape, bytes, trainable bytes) of each part of the model."""
+        p = self.params
+        blocks = [p.blocks[name] for name in c.blocks]
+        nbytes, trainable = sum(b[0] for b in blocks), sum(b[1] for b in blocks)
+        parts = [(c.strategy, c.mesh_shape, p.nbytes - nbytes, p.trainable_nbytes - trainable)]
+        return parts + ([(c.block_strategy, c.block_mesh_shape, nbytes, trainable)] if blocks else [])
+
+    def memory(self, c: Candidate) -> float:
+        """Per rank, the larger of: shards, gradients and optimizer state (alive at the end of
+        every backward), and shards, optimizer state and what ``"grad_op"`` keeps gathered
+        from forward to backward (alive at the end of every forward)."""
+        parts, states = self._parts(c), self.optimizer_states
+        kept = sum((1 + states) * n / _shard_size(s, shape) for s, shape, n, _ in parts)
+        grads = sum(t / _shard_size(s, shape) for s, shape, _, t in parts)
+        gathered = sum(self._gather_bytes(n, c.precision) for s, _, n, _ in parts if s == "grad_op")
+        return kept + max(grads, gathered)
+
+    def _gather_bytes(self, nbytes: float, precision: str) -> float:
+        return nbytes * 2 / self.params.element_size if precision == "bf16" else nbytes  # bf16: 2 bytes per element
+
+    def step(self, c: Candidate) -> float:
+        """The busiest process group's collectives for one step on rank 0, each kind as one
+        collective of all its bytes (the simulator runs a group's collectives one at a time)."""
+        busy: dict[tuple[int, ...], float] = {}
+        for strategy, shape, nbytes, trainable in self._parts(c):
+            gather = self._gather_bytes(nbytes, c.precision)
+            reduce = trainable * 4 / self.params.element_size if c.precision == "bf16" else trainable  # bf16: reduced in float32
+            for group, seconds in self._group_times(strategy, shape, int(gather), int(reduce)).items():
+                busy[group] = busy.get(group, 0.0) + seconds
+        return max(busy.values(), default=0.0)
+
+    def _group_times(self, strategy: str, shape: tuple[int, ...], gather: int, reduce: int) -> dict[tuple[int, ...], float]:
+        """Seconds each process group of rank 0 is busy gathering ``gather`` bytes (full
+        buffers) and reducing ``reduce`` bytes of gradients under a layout."""
+        world = shape[0] * (shape[1] if len(shape) > 1 else 1)
+        t = lambda kind, nbytes, ranks: collective_time(kind, nbytes, ranks, self.profile)  # noqa: E731
+        if strategy == "replicate":
+            return {tuple(range(world)): t("all_reduce", reduce, range(world))}
+        shard_group = tuple(range(shape[-1]))
+        gathers = 1 if strategy == "grad_op" else 2  # full and hybrid gather again in backward
+        times = {shard_group: gathers * t("all_gather", gather, shard_group) + t("reduce_scatter", reduce, shard_group)}
+        if strategy == "hybrid" and shape[0] > 1:  # then the reduced shards are averaged across the replicas
+            replicas = tuple(range(0, world, shape[1]))
+            times[replicas] = t("all_reduce", reduce // shape[1], replicas)
+        return times
