@@ -47,6 +47,9 @@ def test_without_a_budget_the_plan_is_the_fastest_candidate():
     assert all(o.error is None and o.step_time > 0 and o.peak_bytes > 0 for o in plan.outcomes)
     assert plan.chosen.step_time == min(o.step_time for o in plan.outcomes)
     assert not plan.blocks  # the fastest fits: nothing to mix
+    # Energy on the h100 profile's power figures; tokens from the first input (16 per rank).
+    assert plan.tokens_per_step == 16 * 16 and all(o.energy_j > 0 for o in plan.outcomes)
+    assert "kWh/Mtok" in plan.summary()
     summary = plan.summary()
     assert summary.count("\n* ") == 1 and "hybrid, shard over 2 nodes" in summary and "(4, 4)" in summary
 

@@ -41,7 +41,8 @@ from autoshard.runtime.mixed_precision import MixedPrecision
 from autoshard.runtime.shard import _SHARDED, shard
 from autoshard.tools.explain import UsageError, add_input_arguments, explain, input_maker, load_factory
 from autoshard.tools.plan_layouts import PRECISIONS, Bounds, Candidate, Params, candidates
-from autoshard.tools.report_svg import fmt_bytes, fmt_time
+from autoshard.tools.report_svg import fmt_bytes, fmt_energy, fmt_time
+from autoshard.tools.simulator import kwh_per_million_tokens
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,7 @@ class Outcome:
     exposed_comm: float | None = None  # seconds
     peak_bytes: int | None = None  # per rank, optimizer state included
     error: str | None = None
+    energy_j: float | None = None  # per rank and step (None where the profile has no power figures)
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,7 @@ class Plan:
     blocks: tuple[str, ...] = ()  # sharded first, as block_strategy on block_mesh_shape
     block_strategy: str = ""
     block_mesh_shape: tuple[int, ...] = ()
+    tokens_per_step: int | None = None  # over all ranks, when the first input holds token ids
 
     @property
     def candidate(self) -> Candidate:
@@ -87,19 +90,26 @@ class Plan:
 
     def summary(self) -> str:
         budget = "none" if self.memory_budget_gb is None else f"{self.memory_budget_gb:g} GiB"
+        names = [("* " if o.candidate == self.candidate else "  ") + o.candidate.label(self.ranks_per_node) for o in self.outcomes]
+        width = max(len("candidate"), *map(len, names))
         lines = [f"plan for {self.world_size} ranks ({self.ranks_per_node} per node), profile {self.profile}, budget {budget}",
-                 f"{'candidate':44s} {'mesh':>12s} {'step':>12s} {'exposed':>8s} {'peak per rank':>14s}"]
-        for o in self.outcomes:
+                 f"{'candidate':{width}s} {'mesh':>16s} {'step':>10s} {'exposed':>8s} {'peak per rank':>14s} {'energy/step':>12s}"
+                 + (f" {'kWh/Mtok':>9s}" if self.tokens_per_step else "")]
+        for name, o in zip(names, self.outcomes):
             c = o.candidate
-            mark = "*" if c == self.candidate else " "
-            name = f"{mark} {c.label(self.ranks_per_node)}"
             mesh = str(c.mesh_shape) if c.whole else f"{c.mesh_shape}+{c.block_mesh_shape}"
             if o.error is not None:
-                lines.append(f"{name:44s} {mesh:>12s}   {o.error}")
+                lines.append(f"{name:{width}s} {mesh:>16s}   {o.error}")
                 continue
             over = "" if o.peak_bytes <= _limit_bytes(self.memory_budget_gb) else "  over budget"
-            lines.append(f"{name:44s} {mesh:>12s} {fmt_time(o.step_time):>12s} {o.exposed_comm / o.step_time:8.1%} "
-                         f"{fmt_bytes(o.peak_bytes):>14s}{over}")
+            energy = "" if o.energy_j is None else fmt_energy(o.energy_j * self.world_size)
+            kwh = (f" {kwh_per_million_tokens(o.energy_j, self.world_size, self.tokens_per_step):9.3g}"
+                   if self.tokens_per_step and o.energy_j is not None else "")
+            lines.append(f"{name:{width}s} {mesh:>16s} {fmt_time(o.step_time):>10s} {o.exposed_comm / o.step_time:8.1%} "
+                         f"{fmt_bytes(o.peak_bytes):>14s} {energy:>12s}{kwh}{over}")
+        if not self.candidate.whole:
+            lines.append(f"blocks {', '.join(self.blocks)}: {self.block_strategy} on {self.block_mesh_shape}; the rest: "
+                         f"{self.strategy} on {self.mesh_shape}")
         return "\n".join(lines)
 
     def to_json(self) -> str:
@@ -213,7 +223,8 @@ class _Search:
             else:
                 m = report.metrics
                 states = self.bounds.optimizer_states
-                outcome = Outcome(c, m["step_time"], m["exposed_comm"], int(m["peak_bytes"] + states * m["shard_bytes"]))
+                outcome = Outcome(c, m["step_time"], m["exposed_comm"], int(m["peak_bytes"] + states * m["shard_bytes"]),
+                                  energy_j=m["energy_j"])
         self.outcomes.append(outcome)
         if self.progress is not None:
             self.progress(f"autoshard plan: {c.label(self.ranks_per_node)}: " + (outcome.error or f"step {fmt_time(outcome.step_time)}, "
@@ -235,8 +246,9 @@ def _whole_model(search: _Search, candidates: list[Candidate]) -> None:
 def _mixed(search: _Search, blocks: tuple[str, ...], precision: str) -> None:
     """Where a faster whole-model layout does not fit but a slower one does: the fastest that
     fits with as many repeated blocks laid out as the faster one as the budget holds (the first
-    ones), the count from the state each block moves, then checked by compiling (at most
-    three tries, halving the count each time the budget is missed)."""
+    ones). The count comes from the state each block moves, then from what each compiled try
+    showed a block to cost (at most three tries: fewer blocks after a miss, more after a fit
+    that left room)."""
     slow = search.fastest_fitting(precision)
     if slow is None or not blocks or not slow.candidate.whole:
         return
@@ -246,15 +258,22 @@ def _mixed(search: _Search, blocks: tuple[str, ...], precision: str) -> None:
     if not faster:
         return
     fast, s = min(faster, key=search.bounds.step), slow.candidate
+    room = search.limit - slow.peak_bytes
     gain = [search.bounds.memory(s.mixed(blocks[: k + 1], fast)) - search.bounds.memory(s) for k in range(len(blocks))]
-    k = sum(1 for g in gain if slow.peak_bytes + g <= search.limit)
+    k = sum(1 for g in gain if g <= room)
     for _ in range(3):
-        if k == 0 or any(o.candidate == s.mixed(blocks[:k], fast) for o in search.outcomes):
+        if not 0 < k <= len(blocks) or any(o.candidate == s.mixed(blocks[:k], fast) for o in search.outcomes):
             return
-        outcome = search.add(s.mixed(blocks[:k], fast))
-        if outcome.error is None and outcome.peak_bytes <= search.limit:
+        o = search.add(s.mixed(blocks[:k], fast))
+        fits = o.error is None and o.peak_bytes <= search.limit
+        per_block = None if o.error is not None else (o.peak_bytes - slow.peak_bytes) / k
+        if fits and (per_block is None or per_block <= 0 or k == len(blocks)):
             return
-        k //= 2
+        # Scale the count by what a block cost this time (halve it when the budget failed the compile).
+        nxt = k // 2 if per_block is None or per_block <= 0 else min(len(blocks), int(room / per_block))
+        if fits and nxt <= k:
+            return
+        k = nxt
 
 
 def plan(
@@ -308,7 +327,16 @@ def plan(
                          "budget, use more ranks, or recompute activations (torch.utils.checkpoint).")
     best = min(fitting, key=lambda t: t[:3])[3].candidate
     return Plan(best.strategy, best.mesh_shape, world_size, ranks_per_node, device.name, memory_budget_gb, tuple(outcomes),
-                best.precision, best.blocks, best.block_strategy, best.block_mesh_shape)
+                best.precision, best.blocks, best.block_strategy, best.block_mesh_shape, _tokens(example_args, world_size))
+
+
+def _tokens(example_args: tuple, world_size: int) -> int | None:
+    """Tokens per step over all ranks when the first input holds token ids (an integer
+    tensor): every rank takes a batch of that shape."""
+    first = example_args[0] if example_args else None
+    if isinstance(first, torch.Tensor) and not first.is_floating_point() and not first.is_complex() and first.numel():
+        return first.numel() * world_size
+    return None
 
 
 # -- command line ------------------------------------------------------------------------------

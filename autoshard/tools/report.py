@@ -30,6 +30,7 @@ from autoshard.tools.report_html import render_html
 from autoshard.tools.report_passes import PassSummary, op_label, summarize_pass
 from autoshard.tools.report_svg import downsample, peak_positions
 from autoshard.tools.report_svg import fmt_bytes as _fmt_bytes
+from autoshard.tools.report_svg import fmt_energy as _fmt_energy
 from autoshard.tools.report_svg import fmt_time as _fmt_time
 from autoshard.tools.simulator import Event, StepAnalysis, analyze
 
@@ -314,14 +315,6 @@ class Report:
         self.save_html(folder / "report.html")
         self.save_chrome_trace(folder / "trace.json")
         (folder / "summary.txt").write_text(self.summary() + "\n\n" + "\n".join(p.text() for p in self.passes) + "\n")
-
-
-def _fmt_energy(joules: float) -> str:
-    """``joules`` in J, kJ, MJ or GJ, three significant digits."""
-    for unit, scale in (("GJ", 1e9), ("MJ", 1e6), ("kJ", 1e3)):
-        if abs(joules) >= scale:
-            return f"{joules / scale:.3g} {unit}"
-    return f"{joules:.3g} J"
 
 
 def _write_report(stages: Mapping[str, fx.GraphModule], profile: str | DeviceProfile, folder: Path) -> None:

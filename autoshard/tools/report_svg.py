@@ -29,6 +29,14 @@ def fmt_time(s: float) -> str:
     return f"{s * 1e9:.4g} ns"
 
 
+def fmt_energy(joules: float) -> str:
+    """``joules`` in J, kJ, MJ or GJ, three significant digits."""
+    for unit, scale in (("GJ", 1e9), ("MJ", 1e6), ("kJ", 1e3)):
+        if abs(joules) >= scale:
+            return f"{joules / scale:.3g} {unit}"
+    return f"{joules:.3g} J"
+
+
 def esc(text: Any) -> str:
     return html.escape(str(text), quote=True)
 
