@@ -11,7 +11,10 @@ forward/backward graphs on the cost model's device profile (autoshard.tools.simu
 Schedules: "none" (gather at use, reduce at the end), "fsdp2" (FSDP2's policy on the same
 buckets: prefetch the next block, one reduce-scatter in flight), "inductor" (PyTorch's own
 bucketing and overlap scheduler) and "autoshard". Gaps are to the simulator's lower bounds
-(autoshard.tools.simulator.StepAnalysis). Weights and gradients are float32 (no mixed precision).
+(autoshard.tools.simulator.StepAnalysis). ``--precisions fp32 bf16`` adds each schedule gathered and
+computed in bfloat16 with gradients reduced in float32 (``MixedPrecision(bfloat16, float32)``);
+shards and optimizer state stay float32. ``--planned`` adds a row per precision for the layout
+``autoshard.plan`` chooses (no budget), with the autoshard schedule.
 Energy: ``energy_j`` per rank per step and ``kwh_per_mtok`` over all ranks, on the profile's busy
 and idle power (StepAnalysis.energy_j; empty on profiles without power figures).
 """
@@ -37,6 +40,7 @@ from autoshard.tools.simulator import analyze, kwh_per_million_tokens  # noqa: E
 from gpt import GPT, GPTConfig  # noqa: E402
 
 SCHEDULES = ("none", "fsdp2", "inductor", "autoshard")
+BF16 = autoshard.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 # GPT-2 small / medium, GPT-3 XL, and an 8B shape with Llama 3's width and vocabulary.
 SHAPES = {
     "125M": dict(n_layer=12, n_embd=768, n_head=12, vocab_size=50304),
@@ -46,14 +50,19 @@ SHAPES = {
 }
 
 
-def measure(cfg: GPTConfig, world: int, batch: int, schedule: str, profile: str) -> dict:
-    """Compile one training step with ``schedule`` at ``world`` ranks; analyse its graphs."""
+def measure(cfg: GPTConfig, world: int, batch: int, schedule: str, profile: str, precision: str = "fp32",
+            plan: autoshard.Plan | None = None) -> dict:
+    """Compile one training step with ``schedule`` at ``world`` ranks (full shard in
+    ``precision``, or ``plan``'s layout); analyse its graphs."""
     torch._dynamo.reset()
     fake_process_group(0, world)
     try:
         mesh = init_device_mesh("cpu", (world,))  # outside fake mode: building a mesh reads real tensors
         with fake_tensor_mode(), recording() as graphs:
-            model = autoshard.shard(GPT(cfg), mesh)
+            if plan is not None:
+                model = autoshard.shard(GPT(cfg), plan=plan)
+            else:
+                model = autoshard.shard(GPT(cfg), mesh, mixed_precision=BF16 if precision == "bf16" else None)
             idx = torch.zeros(batch, cfg.block_size, dtype=torch.long)
             options = {"compiler": "aot_eager", "schedule": schedule, "profile": profile}
             torch.compile(model, backend="autoshard", options=options)(idx, idx).backward()
@@ -64,7 +73,8 @@ def measure(cfg: GPTConfig, world: int, batch: int, schedule: str, profile: str)
     params = sum(p.numel() for p in model.parameters())
     tokens = batch * cfg.block_size * world  # each rank takes its own slice of the global batch
     return {
-        "schedule": schedule,
+        "schedule": schedule if plan is None else "planned: " + plan.candidate.label(plan.ranks_per_node),
+        "precision": precision,
         "step_ms": a.step_time * 1e3,
         "exposed_pct": 100 * a.exposed_comm / a.step_time,
         "overlap": a.overlap_ratio,
@@ -85,6 +95,9 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--batch", type=int, default=1, help="sequences per rank")
     parser.add_argument("--profile", default="h100", help="h100, a100, cpu or a .json from `python -m autoshard calibrate`")
+    parser.add_argument("--precisions", nargs="+", choices=("fp32", "bf16"), default=["fp32"],
+                        help="bf16: gathered and computed in bfloat16, gradients reduced in float32")
+    parser.add_argument("--planned", action="store_true", help="also the layout autoshard.plan chooses, per precision")
     parser.add_argument("--quick", action="store_true", help="125M at 64 ranks only")
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args()
@@ -96,15 +109,22 @@ def main() -> None:
         cfg = GPTConfig(block_size=args.seq, **SHAPES[shape])
         for world in args.world_sizes:
             base = None
-            for schedule in args.schedules:
-                start = time.perf_counter()
-                print(f"{shape} world={world} schedule={schedule} ...", end=" ", file=sys.stderr, flush=True)
-                row = {"shape": shape, "world": world, **measure(cfg, world, args.batch, schedule, args.profile)}
-                print(f"{time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
-                base = base or row
-                row["step_vs_" + base["schedule"]] = row["step_ms"] / base["step_ms"]
-                rows.append(row)
-    print(f"GPT, seq {args.seq}, batch {args.batch}/rank, float32, profile {args.profile} (predicted by the simulator)")
+            for precision in args.precisions:
+                runs = [(schedule, None) for schedule in args.schedules] + ([("autoshard", "plan")] if args.planned else [])
+                for schedule, planned in runs:
+                    start = time.perf_counter()
+                    print(f"{shape} world={world} {precision} {planned or schedule} ...", end=" ", file=sys.stderr, flush=True)
+                    plan = None
+                    if planned:
+                        idx = torch.zeros(args.batch, cfg.block_size, dtype=torch.long)
+                        plan = autoshard.plan(lambda: GPT(cfg), idx, idx, world_size=world, profile=args.profile, precisions=(precision,))
+                    row = {"shape": shape, "world": world, **measure(cfg, world, args.batch, schedule, args.profile, precision, plan)}
+                    print(f"{time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+                    base = base or row
+                    row["step_vs_" + base["schedule"]] = row["step_ms"] / base["step_ms"]
+                    rows.append(row)
+    print(f"GPT, seq {args.seq}, batch {args.batch}/rank, profile {args.profile} (predicted by the simulator); step_vs_ is to the "
+          "first row of each shape and world")
     print(tabulate(rows, headers="keys", floatfmt=".3g"))
     if args.json:
         Path(args.json).write_text(json.dumps({"config": vars(args), "rows": rows}, indent=2))

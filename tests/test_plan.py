@@ -167,6 +167,11 @@ def test_the_bounds_are_below_what_the_compiled_candidates_cost():
     full, hybrid = Candidate("full", (16,)), Candidate("hybrid", (4, 4))
     mixed = full.mixed(("blocks.0",), hybrid)
     assert bounds.memory(full) < bounds.memory(mixed) < bounds.memory(hybrid)
+    # Full shard over 4 nodes sends everything across them; hybrid only its replicas' all-reduce.
+    assert bounds.link_bytes(full)[0] == 0 < bounds.link_bytes(full)[1]
+    within, across = bounds.link_bytes(hybrid)
+    assert 0 < across < within and across < bounds.link_bytes(full)[1]
+    assert dict((o.candidate, o.link_bytes) for o in plan.outcomes)[hybrid] == (within, across)
 
 
 def test_repeated_blocks_are_the_largest_list_of_one_class():

@@ -55,6 +55,7 @@ class Outcome:
     peak_bytes: int | None = None  # per rank, optimizer state included
     error: str | None = None
     energy_j: float | None = None  # per rank and step (None where the profile has no power figures)
+    link_bytes: tuple[float, float] | None = None  # sent per rank and step within a node, across nodes (Bounds.link_bytes)
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,8 @@ class Plan:
         names = [("* " if o.candidate == self.candidate else "  ") + o.candidate.label(self.ranks_per_node) for o in self.outcomes]
         width = max(len("candidate"), *map(len, names))
         lines = [f"plan for {self.world_size} ranks ({self.ranks_per_node} per node), profile {self.profile}, budget {budget}",
-                 f"{'candidate':{width}s} {'mesh':>16s} {'step':>10s} {'exposed':>8s} {'peak per rank':>14s} {'energy/step':>12s}"
+                 f"{'candidate':{width}s} {'mesh':>16s} {'step':>10s} {'exposed':>8s} {'peak per rank':>14s} {'sent in node':>12s} "
+                 f"{'across nodes':>12s} {'energy/step':>12s}"
                  + (f" {'kWh/Mtok':>9s}" if self.tokens_per_step else "")]
         for name, o in zip(names, self.outcomes):
             c = o.candidate
@@ -102,11 +104,12 @@ class Plan:
                 lines.append(f"{name:{width}s} {mesh:>16s}   {o.error}")
                 continue
             over = "" if o.peak_bytes <= _limit_bytes(self.memory_budget_gb) else "  over budget"
-            energy = "" if o.energy_j is None else fmt_energy(o.energy_j * self.world_size)
+            energy = "" if o.energy_j is None else fmt_energy(o.energy_j * self.world_size)  # over all ranks
             kwh = (f" {kwh_per_million_tokens(o.energy_j, self.world_size, self.tokens_per_step):9.3g}"
                    if self.tokens_per_step and o.energy_j is not None else "")
+            within, across = (fmt_bytes(b) for b in o.link_bytes) if o.link_bytes else ("", "")
             lines.append(f"{name:{width}s} {mesh:>16s} {fmt_time(o.step_time):>10s} {o.exposed_comm / o.step_time:8.1%} "
-                         f"{fmt_bytes(o.peak_bytes):>14s} {energy:>12s}{kwh}{over}")
+                         f"{fmt_bytes(o.peak_bytes):>14s} {within:>12s} {across:>12s} {energy:>12s}{kwh}{over}")
         if not self.candidate.whole:
             lines.append(f"blocks {', '.join(self.blocks)}: {self.block_strategy} on {self.block_mesh_shape}; the rest: "
                          f"{self.strategy} on {self.mesh_shape}")
@@ -118,7 +121,9 @@ class Plan:
     @staticmethod
     def from_json(text: str) -> Plan:
         data = json.loads(text)
-        outcomes = tuple(Outcome(**{**o, "candidate": _candidate(o["candidate"])}) for o in data.pop("outcomes"))
+        outcomes = tuple(Outcome(**{**o, "candidate": _candidate(o["candidate"]),
+                                    "link_bytes": tuple(o["link_bytes"]) if o.get("link_bytes") else None})
+                         for o in data.pop("outcomes"))
         return Plan(**{**data, **_tuples(data), "outcomes": outcomes})
 
     def save(self, path: str | Path) -> None:
@@ -224,7 +229,7 @@ class _Search:
                 m = report.metrics
                 states = self.bounds.optimizer_states
                 outcome = Outcome(c, m["step_time"], m["exposed_comm"], int(m["peak_bytes"] + states * m["shard_bytes"]),
-                                  energy_j=m["energy_j"])
+                                  energy_j=m["energy_j"], link_bytes=self.bounds.link_bytes(c))
         self.outcomes.append(outcome)
         if self.progress is not None:
             self.progress(f"autoshard plan: {c.label(self.ranks_per_node)}: " + (outcome.error or f"step {fmt_time(outcome.step_time)}, "

@@ -147,25 +147,38 @@ class Bounds:
     def step(self, c: Candidate) -> float:
         """The busiest process group's collectives for one step on rank 0, each kind as one
         collective of all its bytes (the simulator runs a group's collectives one at a time)."""
-        busy: dict[tuple[int, ...], float] = {}
-        for strategy, shape, nbytes, trainable in self._parts(c):
-            gather = self._gather_bytes(nbytes, c.precision)
-            reduce = trainable * 4 / self.params.element_size if c.precision == "bf16" else trainable  # bf16: reduced in float32
-            for group, seconds in self._group_times(strategy, shape, int(gather), int(reduce)).items():
-                busy[group] = busy.get(group, 0.0) + seconds
-        return max(busy.values(), default=0.0)
+        busy = [sum(collective_time(kind, nbytes, group, self.profile) for kind, nbytes in moves)
+                for group, moves in self._collectives(c).items()]
+        return max(busy, default=0.0)
 
-    def _group_times(self, strategy: str, shape: tuple[int, ...], gather: int, reduce: int) -> dict[tuple[int, ...], float]:
-        """Seconds each process group of rank 0 is busy gathering ``gather`` bytes (full
-        buffers) and reducing ``reduce`` bytes of gradients under a layout."""
-        world = shape[0] * (shape[1] if len(shape) > 1 else 1)
-        t = lambda kind, nbytes, ranks: collective_time(kind, nbytes, ranks, self.profile)  # noqa: E731
-        if strategy == "replicate":
-            return {tuple(range(world)): t("all_reduce", reduce, range(world))}
-        shard_group = tuple(range(shape[-1]))
-        gathers = 1 if strategy == "grad_op" else 2  # full and hybrid gather again in backward
-        times = {shard_group: gathers * t("all_gather", gather, shard_group) + t("reduce_scatter", reduce, shard_group)}
-        if strategy == "hybrid" and shape[0] > 1:  # then the reduced shards are averaged across the replicas
-            replicas = tuple(range(0, world, shape[1]))
-            times[replicas] = t("all_reduce", reduce // shape[1], replicas)
-        return times
+    def link_bytes(self, c: Candidate) -> tuple[float, float]:
+        """(within a node, across nodes): the bytes rank 0 sends per step in the layout's
+        collectives (a ring sends (n-1)/n of a full buffer, twice for an all-reduce), by where
+        its group lies; a group spanning nodes counts across, as its slowest hop paces it."""
+        within = across = 0.0
+        per_node = self.profile.ranks_per_node
+        for group, moves in self._collectives(c).items():
+            sent = sum((2 if kind == "all_reduce" else 1) * (len(group) - 1) / len(group) * nbytes for kind, nbytes in moves)
+            if len({r // per_node for r in group}) > 1 and self.profile.inter is not None:
+                across += sent
+            else:
+                within += sent
+        return within, across
+
+    def _collectives(self, c: Candidate) -> dict[tuple[int, ...], list[tuple[str, int]]]:
+        """Rank 0's process groups and what each moves per step: (kind, full-buffer bytes),
+        every parameter gathered once per forward and backward use and every gradient reduced once."""
+        moves: dict[tuple[int, ...], list[tuple[str, int]]] = {}
+        for strategy, shape, nbytes, trainable in self._parts(c):
+            gather = int(self._gather_bytes(nbytes, c.precision))
+            reduce = int(trainable * 4 / self.params.element_size if c.precision == "bf16" else trainable)  # bf16: reduced in float32
+            world = shape[0] * (shape[1] if len(shape) > 1 else 1)
+            if strategy == "replicate":
+                moves.setdefault(tuple(range(world)), []).append(("all_reduce", reduce))
+                continue
+            shard_group = moves.setdefault(tuple(range(shape[-1])), [])
+            shard_group += [("all_gather", gather)] * (1 if strategy == "grad_op" else 2)  # full, hybrid: again in backward
+            shard_group.append(("reduce_scatter", reduce))
+            if strategy == "hybrid" and shape[0] > 1:  # then the reduced shards are averaged across the replicas
+                moves.setdefault(tuple(range(0, world, shape[1])), []).append(("all_reduce", reduce // shape[1]))
+        return moves
