@@ -287,3 +287,12 @@ def test_explain_a_factory_that_shards_with_each_strategy(strategy, mesh_shape, 
         assert sum(e.nbytes for e in all_reduces) == m["shard_bytes"]
         assert {e.lane for e in all_reduces}.isdisjoint(e.lane for e in report.collectives() if e.kind != "all_reduce")
     assert not dist.is_initialized()
+
+
+def test_explain_can_keep_only_the_stages_its_metrics_read(report):
+    """The planner copies three stages of each graph, not seven: the step it predicts is the same."""
+    tokens = torch.zeros(1, 64, dtype=torch.long)
+    lean = autoshard.explain(build_model, tokens, tokens, world_size=8, profile="h100", stages=("captured", "forward", "backward"))
+    assert set(lean.stages) == {"captured", "forward", "backward"} < set(report.stages)
+    for key in ("step_time", "exposed_comm", "peak_bytes", "shard_bytes", "energy_j"):
+        assert lean.metrics[key] == report.metrics[key], key

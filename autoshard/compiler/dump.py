@@ -8,7 +8,7 @@ import itertools
 import os
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Collection, Iterator
 
 import torch.distributed as dist
 from torch import fx
@@ -17,19 +17,21 @@ if TYPE_CHECKING:
     from autoshard.compiler.cost_model import DeviceProfile
 
 _graph_ids = itertools.count()
-_recordings: list[list[dict[str, fx.GraphModule]]] = []
+_recordings: list[tuple[list[dict[str, fx.GraphModule]], Collection[str] | None]] = []
 
 
 @contextlib.contextmanager
-def recording() -> Iterator[list[dict[str, fx.GraphModule]]]:
+def recording(stages: Collection[str] | None = None) -> Iterator[list[dict[str, fx.GraphModule]]]:
     """Collect, for each graph the backend compiles meanwhile, a copy of every stage it writes
-    (``captured``, ``joint``, ``lowered``, ``forward_bucketed``, ``forward``, ...)."""
+    (``captured``, ``joint``, ``lowered``, ``forward_bucketed``, ``forward``, ...), or of
+    ``stages`` only (a copy of a large graph takes seconds)."""
     graphs: list[dict[str, fx.GraphModule]] = []
-    _recordings.append(graphs)
+    entry = (graphs, stages)
+    _recordings.append(entry)
     try:
         yield graphs
     finally:
-        _recordings.remove(graphs)
+        _recordings.remove(entry)
 
 
 class GraphDump:
@@ -38,7 +40,7 @@ class GraphDump:
 
     def __init__(self, debug_dir: str | None) -> None:
         self.stages: dict[str, fx.GraphModule] = {}
-        for graphs in _recordings:
+        for graphs, _ in _recordings:
             graphs.append(self.stages)
         self.folder = None
         if debug_dir:
@@ -49,7 +51,7 @@ class GraphDump:
     def write(self, stage: str, gm: fx.GraphModule) -> None:
         # A copy (later passes and Inductor change graphs in place), for recordings and for
         # the debug_dir report.
-        if _recordings or self.folder is not None:
+        if self.folder is not None or any(wanted is None or stage in wanted for _, wanted in _recordings):
             with warnings.catch_warnings():  # copying a graph's pytree specs warns of a deprecation inside torch
                 warnings.simplefilter("ignore", FutureWarning)
                 self.stages[stage] = fx.GraphModule(gm, copy.deepcopy(gm.graph))

@@ -16,7 +16,7 @@ import importlib
 import importlib.util
 import sys
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Collection, Sequence
 
 import torch
 import torch.distributed as dist
@@ -32,7 +32,10 @@ from autoshard.tools.report import Report
 ModelOrFactory = nn.Module | Callable[[], nn.Module]
 
 
-def explain(model_or_factory: ModelOrFactory, *example_args: Any, world_size: int = 8, profile: str = "h100", **options: Any) -> Report:
+def explain(
+    model_or_factory: ModelOrFactory, *example_args: Any, world_size: int = 8, profile: str = "h100",
+    stages: Collection[str] | None = None, **options: Any,
+) -> Report:
     """The :class:`Report` of compiling one training step of a model with the autoshard
     backend at ``world_size`` ranks (this process plays rank 0).
 
@@ -48,6 +51,8 @@ def explain(model_or_factory: ModelOrFactory, *example_args: Any, world_size: in
         profile: the cost model's device profile ("h100", "a100", "cpu" or a .json file),
             for the backend's scheduling decisions and for the simulated step; None: the
             backend's default for the inputs' device ("cpu" for CPU tensors).
+        stages: the stages the report keeps (e.g. ``("captured", "forward", "backward")``, all
+            its metrics need); None: every stage (copying one of a large graph takes seconds).
         options: any other backend option (``schedule``, ``bucket_mb``, ...); ``compiler``
             defaults to "aot_eager": the graphs as the backend hands them to the inner compiler
             (Inductor's decompositions would change the ATen ops, not the collectives).
@@ -58,7 +63,7 @@ def explain(model_or_factory: ModelOrFactory, *example_args: Any, world_size: in
     before and after); raises ValueError when Dynamo split the model into several graphs
     (graph breaks): :func:`explain_graphs` returns a report per graph.
     """
-    reports = explain_graphs(model_or_factory, *example_args, world_size=world_size, profile=profile, **options)
+    reports = _explain(model_or_factory, lambda _model: example_args, world_size, profile, options, stages)
     if len(reports) != 1:
         raise ValueError(
             f"autoshard.explain: Dynamo compiled {len(reports)} graphs (graph breaks); use autoshard.explain_graphs, which "
@@ -87,9 +92,10 @@ def _explain(
     world_size: int,
     profile: str,
     options: dict[str, Any],
+    stages: Collection[str] | None = None,
 ) -> list[Report]:
     """:func:`explain_graphs` with the example inputs made from the built model (the CLI
-    reads a GPT's block size from it)."""
+    reads a GPT's block size from it); reports of ``stages`` only (None: every stage)."""
     if dist.is_initialized():
         raise RuntimeError(
             "autoshard.explain: a process group is initialised, but explain runs on its own fake process group; call it before "
@@ -114,7 +120,7 @@ def _explain(
     fake_process_group(0, world_size)
     try:
         mesh = init_device_mesh("cpu", (world_size,))  # outside fake mode: building a mesh reads real tensors
-        with fake_tensor_mode(), recording() as graphs:
+        with fake_tensor_mode(), recording(stages) as graphs:
             model = module if module is not None else model_or_factory()
             if not isinstance(model, nn.Module):
                 raise TypeError(f"autoshard.explain: the factory returned {type(model).__name__}, not an nn.Module; "

@@ -187,6 +187,9 @@ def _past_the_best_hybrid(outcomes: list[Outcome], limit: float) -> bool:
     return len(tried) >= 2 and tried[-1].peak_bytes <= limit and tried[-1].step_time > tried[-2].step_time
 
 
+_STAGES = ("captured", "forward", "backward")  # what an outcome's metrics read
+
+
 class _Search:
     """The outcomes found so far, and how to add one (compile the candidate, or say why not)."""
 
@@ -220,7 +223,7 @@ class _Search:
             outcome = Outcome(c, error=skip)
         else:
             try:
-                report = explain(_sharding(self.factory, c), *self.example_args, **self.options)
+                report = explain(_sharding(self.factory, c), *self.example_args, stages=_STAGES, **self.options)
             except Exception as e:  # noqa: BLE001 - Dynamo wraps the backend's error; only the budget's is an outcome
                 if not _over_budget(e):
                     raise
