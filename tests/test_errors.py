@@ -26,6 +26,7 @@ WHERE = (
     "autoshard.Report: ",
     "autoshard.tools.launch.run_ranks: ",
     "autoshard.tools.simulator.analyze: ",
+    "autoshard.tools.simulator.kwh_per_million_tokens: ",
     "set_requires_gradient_sync: ",
     "autoshard option '",  # a backend option: "autoshard option 'bucket_mb' must be ..."
     "autoshard backend: ",  # compiling failed, not because of one option (ranks' plans differ, unknown options)

@@ -197,8 +197,8 @@ def kwh_per_million_tokens(energy_j_per_rank: float, world_size: int, tokens_per
     """kWh that a million tokens cost when one step costs ``energy_j_per_rank`` joules on
     each of ``world_size`` ranks and trains on ``tokens_per_step`` tokens over all of them."""
     if world_size < 1 or tokens_per_step < 1:
-        raise ValueError(f"kwh_per_million_tokens: world_size and tokens_per_step must be positive, "
-                         f"got {world_size} and {tokens_per_step}.")
+        raise ValueError(f"autoshard.tools.simulator.kwh_per_million_tokens: world_size and tokens_per_step must be positive, "
+                         f"got {world_size} and {tokens_per_step}; pass the ranks and the tokens one step trains on over all of them.")
     return energy_j_per_rank * world_size / 3.6e6 * 1e6 / tokens_per_step  # 1 kWh = 3.6e6 J
 
 
