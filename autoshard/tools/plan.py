@@ -253,8 +253,9 @@ def _whole_model(search: _Search, candidates: list[Candidate]) -> None:
 
 def _mixed(search: _Search, blocks: tuple[str, ...], precision: str) -> None:
     """Where a faster whole-model layout does not fit but a slower one does: the fastest that
-    fits with as many repeated blocks laid out as the faster one as the budget holds (the first
-    ones). The count comes from the state each block moves, then from what each compiled try
+    fits with as many repeated blocks laid out as the faster one as the budget holds: the first
+    ones, whose gathers open the forward and whose reductions close the backward, where
+    nothing hides them. The count comes from the state each block moves, then from what each compiled try
     showed a block to cost (at most three tries: fewer blocks after a miss, more after a fit
     that left room)."""
     slow = search.fastest_fitting(precision)
