@@ -253,11 +253,11 @@ def _whole_model(search: _Search, candidates: list[Candidate]) -> None:
 
 def _mixed(search: _Search, blocks: tuple[str, ...], precision: str) -> None:
     """Where a faster whole-model layout does not fit but a slower one does: the fastest that
-    fits with as many repeated blocks laid out as the faster one as the budget holds: the first
-    ones, whose gathers open the forward and whose reductions close the backward, where
-    nothing hides them. The count comes from the state each block moves, then from what each compiled try
-    showed a block to cost (at most three tries: fewer blocks after a miss, more after a fit
-    that left room)."""
+    fits with as many repeated blocks laid out as the faster one as the budget holds: the
+    first ones, whose gathers open the forward and whose reductions close the backward, where
+    nothing hides them. The count comes from the state each block moves, then from what each
+    compiled try showed a block to cost (at most three tries: fewer blocks after a miss, more
+    after a fit that left room)."""
     slow = search.fastest_fitting(precision)
     if slow is None or not blocks or not slow.candidate.whole:
         return
@@ -322,10 +322,11 @@ def plan(
     baselines = [c for c in whole if c.strategy == "full" or c.mesh_shape == (world_size // ranks_per_node, ranks_per_node)]
     for c in baselines:
         search.add(c)
-    for layouts in ([], [c for c in whole if c not in baselines]):
-        _whole_model(search, layouts)
-        for precision in precisions:
-            _mixed(search, tuple(params.blocks), precision)
+    for precision in precisions:
+        _mixed(search, tuple(params.blocks), precision)
+    _whole_model(search, [c for c in whole if c not in baselines])
+    for precision in precisions:  # the fastest that fits may have changed
+        _mixed(search, tuple(params.blocks), precision)
     order = {c: i for i, c in enumerate(whole)}
     outcomes = sorted(search.outcomes, key=lambda o: order.get(o.candidate, len(order)))
     fitting = [(o.step_time, o.peak_bytes, i, o) for i, o in enumerate(outcomes) if o in search.fitting()]
