@@ -25,7 +25,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
-from autoshard.runtime.shard import ShardedModule, local_chunk, parameters_as_shards
+from autoshard.runtime.layout import local_chunk
+from autoshard.runtime.shard import ShardedModule, parameters_as_shards
 
 # In-place random fills of Tensor; each draws from the default generator.
 _RANDOM_FILLS = {"uniform_", "normal_", "bernoulli_", "random_", "exponential_", "geometric_", "cauchy_", "log_normal_"}

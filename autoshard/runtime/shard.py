@@ -28,10 +28,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor import DTensor, Placement
 
 from autoshard.runtime import grad_sync, leaves, ops
 from autoshard.runtime.fail_together import check_same_on_all_ranks
+from autoshard.runtime.layout import layout, to_dtensor
 from autoshard.runtime.mixed_precision import MixedPrecision, cast_inputs_hook, dtypes_for
 
 _SHARDED = "_autoshard_root"  # set on every module passed to shard()
@@ -191,6 +192,11 @@ def _planned(module: nn.Module, plan: Any, mesh: DeviceMesh | None, strategy: st
     if world != plan.world_size:
         raise ValueError(f"autoshard.shard: the plan was made for {plan.world_size} ranks but this process group has {world}; "
                          f"plan again with world_size={world}.")
+    if getattr(module, _SHARDED, False):
+        _check(module, None, "full", None, None)  # raises that it is sharded already, before a block changes
+    if {plan.strategy, plan.block_strategy or plan.strategy} - set(STRATEGIES):
+        raise ValueError(f"autoshard.shard: the plan's strategies must be among {STRATEGIES}, got {plan.strategy!r} and "
+                         f"{plan.block_strategy!r}; plan again with autoshard.plan.")
     missing = [name for name in plan.blocks if not _has(module, name)]
     if missing:
         raise ValueError(f"autoshard.shard: the plan lays out {missing[0]!r}, which {type(module).__name__} does not have; "
@@ -210,28 +216,6 @@ def _has(module: nn.Module, name: str) -> bool:
     except AttributeError:
         return False
     return True
-
-
-def local_chunk(full: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...] | list[Placement]) -> torch.Tensor:
-    """This rank's rows of ``full`` under ``placements`` (a view): DTensor's ``Shard(0)``
-    layout, torch.chunk's sizes, empty past the end; all of it when nothing is sharded."""
-    for dim, placement in enumerate(placements):
-        if isinstance(placement, Shard):
-            rows = -(-full.shape[0] // mesh.size(dim))  # ceil
-            start = min(mesh.get_local_rank(dim) * rows, full.shape[0])
-            return full[start : start + rows]
-    return full
-
-
-def _to_dtensor(param: nn.Parameter, mesh: DeviceMesh, placements: list[Placement]) -> DTensor:
-    """``param`` laid out on ``mesh``, cut locally: every rank holds the same values (the same
-    seed, as FSDP2 assumes, or the meta device), so nothing is sent."""
-    full = param.detach()
-    local = local_chunk(full, mesh, placements)
-    if local.numel() != full.numel():
-        local = local.clone()  # own storage: the full parameter is freed once replaced
-    stride = torch.empty(full.shape, device="meta").stride()
-    return DTensor.from_local(local, mesh, placements, run_check=False, shape=full.shape, stride=stride)
 
 
 Layouts = dict[int, tuple[nn.Parameter, list[Placement]]]  # id of a parameter to shard -> it, placements
@@ -293,23 +277,6 @@ def _check(
             f"autoshard.shard: mesh has {mesh.size()} ranks but the process group has {dist.get_world_size()}; "
             "pass a mesh over all ranks, e.g. init_device_mesh(device_type, (world_size,))."
         )
-
-
-def _layout(mesh: DeviceMesh, strategy: str) -> tuple[dict, list[Placement], list[Placement]]:
-    """(ParamSpec fields for the communication groups, placements of a splittable parameter,
-    placements of a replicated one)."""
-    if strategy == "hybrid":
-        replica, shard_group = mesh.get_group(0), mesh.get_group(1)
-        groups = dict(
-            group_name=shard_group.group_name,
-            world_size=mesh.size(1),
-            replica_group=replica.group_name if mesh.size(0) > 1 else "",
-            replicas=mesh.size(0),
-        )
-        return groups, [Replicate(), Shard(0)], [Replicate(), Replicate()]
-    groups = dict(group_name=mesh.get_group().group_name, world_size=mesh.size())
-    split = [Replicate()] if strategy == "replicate" else [Shard(0)]
-    return groups, split, [Replicate()]
 
 
 def shard(
@@ -377,7 +344,7 @@ def shard(
     layouts, owners = _plan(module, mesh, strategy, reshard_after_forward, mixed_precision)
     # Ranks that built different models would otherwise hang or train apart: fail alike first.
     check_same_on_all_ranks("autoshard.shard", _describe(owners, layouts, strategy, mesh, mixed_precision), mesh.device_type)
-    sharded = {key: nn.Parameter(_to_dtensor(param, mesh, placements), requires_grad=param.requires_grad)
+    sharded = {key: nn.Parameter(to_dtensor(param, mesh, placements), requires_grad=param.requires_grad)
                for key, (param, placements) in layouts.items()}
     _install(module, owners, sharded, mixed_precision)
     return module
@@ -387,7 +354,7 @@ def _plan(
     module: nn.Module, mesh: DeviceMesh, strategy: str, reshard: bool, mixed_precision: MixedPrecision | None
 ) -> tuple[Layouts, Owners]:
     """(each new parameter's placements by id, each owning module's specs), changing nothing."""
-    groups, split, replicated = _layout(mesh, strategy)
+    groups, split, replicated = layout(mesh, strategy)
     layouts: Layouts = {}
     owners: Owners = []
     for prefix, mod in module.named_modules():

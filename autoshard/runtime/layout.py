@@ -1,0 +1,47 @@
+"""How a parameter is laid out over a mesh by each strategy: the groups its annotation names,
+its DTensor placements, and this rank's rows cut from the full value."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+
+
+def local_chunk(full: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...] | list[Placement]) -> torch.Tensor:
+    """This rank's rows of ``full`` under ``placements`` (a view): DTensor's ``Shard(0)``
+    layout, torch.chunk's sizes, empty past the end; all of it when nothing is sharded."""
+    for dim, placement in enumerate(placements):
+        if isinstance(placement, Shard):
+            rows = -(-full.shape[0] // mesh.size(dim))  # ceil
+            start = min(mesh.get_local_rank(dim) * rows, full.shape[0])
+            return full[start : start + rows]
+    return full
+
+
+def to_dtensor(param: nn.Parameter, mesh: DeviceMesh, placements: list[Placement]) -> DTensor:
+    """``param`` laid out on ``mesh``, cut locally: every rank holds the same values (the same
+    seed, as FSDP2 assumes, or the meta device), so nothing is sent."""
+    full = param.detach()
+    local = local_chunk(full, mesh, placements)
+    if local.numel() != full.numel():
+        local = local.clone()  # own storage: the full parameter is freed once replaced
+    stride = torch.empty(full.shape, device="meta").stride()
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=full.shape, stride=stride)
+
+
+def layout(mesh: DeviceMesh, strategy: str) -> tuple[dict, list[Placement], list[Placement]]:
+    """(ParamSpec fields for the communication groups, placements of a splittable parameter,
+    placements of a replicated one)."""
+    if strategy == "hybrid":
+        replica, shard_group = mesh.get_group(0), mesh.get_group(1)
+        groups = dict(
+            group_name=shard_group.group_name,
+            world_size=mesh.size(1),
+            replica_group=replica.group_name if mesh.size(0) > 1 else "",
+            replicas=mesh.size(0),
+        )
+        return groups, [Replicate(), Shard(0)], [Replicate(), Replicate()]
+    groups = dict(group_name=mesh.get_group().group_name, world_size=mesh.size())
+    split = [Replicate()] if strategy == "replicate" else [Shard(0)]
+    return groups, split, [Replicate()]
