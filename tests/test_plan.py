@@ -247,3 +247,30 @@ def test_hybrid_shard_groups_stop_growing_once_a_fitting_one_is_slower():
     assert _past_the_best_hybrid([fast, slower], limit=1000)
     assert not _past_the_best_hybrid([fast, slower], limit=85)  # the slower one does not fit: bigger groups may
     assert not _past_the_best_hybrid([slower, Outcome(four, 1.5, 0.1, 80)], limit=1000)  # still getting faster
+
+
+def test_the_mixed_search_compiles_two_block_counts_at_most_and_keeps_within_the_budget():
+    """Compiles replaced by a peak linear in the blocks moved (3 MiB each over full shard's
+    100 MiB, under a 160 MiB budget: 20 blocks fit). The state alone (0.5 MiB a block) would
+    move all 40: that try misses, the next goes halfway back and fits; then nothing more
+    (TRIES compiles), and the same pair is not searched again."""
+    from autoshard.tools.plan import TRIES, Outcome, _mixed, _Search
+
+    blocks = tuple(f"blocks.{i}" for i in range(40))
+    params = Params(nbytes=40 * 2**20, trainable_nbytes=40 * 2**20, element_size=4.0, blocks={b: (2**20, 2**20) for b in blocks})
+    full, hybrid = Candidate("full", (1024,)), Candidate("hybrid", (128, 8))
+
+    class Replayed(_Search):
+        def add(self, c, skip=None):
+            k = len(c.blocks)
+            peak = 100 * 2**20 + (3 * 2**20 * k if c.blocks else (10**9 if c == hybrid else 0))
+            self.outcomes.append(Outcome(c, 2.0 - 0.01 * k, 0.0, peak))
+            return self.outcomes[-1]
+
+    search = Replayed(None, (), {}, Bounds(params, get_profile("h100"), 2), 160 * 2**20, 8, None)
+    search.add(full), search.add(hybrid)
+    _mixed(search, blocks, "fp32")
+    assert TRIES == 2 and [len(o.candidate.blocks) for o in search.outcomes[2:]] == [40, 20]
+    assert search.fastest_fitting().candidate == full.mixed(blocks[:20], hybrid)
+    _mixed(search, blocks, "fp32")
+    assert len(search.outcomes) == 4

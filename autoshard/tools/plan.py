@@ -188,6 +188,7 @@ def _past_the_best_hybrid(outcomes: list[Outcome], limit: float) -> bool:
 
 
 _STAGES = ("captured", "forward", "backward")  # what an outcome's metrics read
+TRIES = 2  # compiles of mixed layouts per precision and pair of layouts (each one a candidate's compile time)
 
 
 class _Search:
@@ -255,9 +256,9 @@ def _mixed(search: _Search, blocks: tuple[str, ...], precision: str) -> None:
     """Where a faster whole-model layout does not fit but a slower one does: the fastest that
     fits with as many repeated blocks laid out as the faster one as the budget holds: the
     first ones, whose gathers open the forward and whose reductions close the backward, where
-    nothing hides them. The count comes from the state each block moves, then from what each
-    compiled try showed a block to cost (at most three tries: fewer blocks after a miss, more
-    after a fit that left room)."""
+    nothing hides them. The count comes from the state each block moves, then from what the
+    compiled try showed a block to cost (:data:`TRIES` compiles at most: halfway back after a
+    miss, halfway on to the predicted count after a fit that left room)."""
     slow = search.fastest_fitting(precision)
     if slow is None or not blocks or not slow.candidate.whole:
         return
@@ -267,22 +268,26 @@ def _mixed(search: _Search, blocks: tuple[str, ...], precision: str) -> None:
     if not faster:
         return
     fast, s = min(faster, key=search.bounds.step), slow.candidate
+    if any(o.candidate == s.mixed(o.candidate.blocks, fast) for o in search.outcomes if o.candidate.blocks):
+        return  # this pair was searched already
     room = search.limit - slow.peak_bytes
     gain = [search.bounds.memory(s.mixed(blocks[: k + 1], fast)) - search.bounds.memory(s) for k in range(len(blocks))]
     k = sum(1 for g in gain if g <= room)
-    for _ in range(3):
-        if not 0 < k <= len(blocks) or any(o.candidate == s.mixed(blocks[:k], fast) for o in search.outcomes):
+    fit, miss = 0, len(blocks) + 1  # the most blocks that fit, the fewest that did not
+    for _ in range(TRIES):
+        if not fit < k < miss:
             return
         o = search.add(s.mixed(blocks[:k], fast))
-        fits = o.error is None and o.peak_bytes <= search.limit
-        per_block = None if o.error is not None else (o.peak_bytes - slow.peak_bytes) / k
-        if fits and (per_block is None or per_block <= 0 or k == len(blocks)):
-            return
-        # Scale the count by what a block cost this time (halve it when the budget failed the compile).
-        nxt = k // 2 if per_block is None or per_block <= 0 else min(len(blocks), int(room / per_block))
-        if fits and nxt <= k:
-            return
-        k = nxt
+        if o.error is None and o.peak_bytes <= search.limit:
+            fit = k
+            # Halfway to the count that what a block cost this time predicts (the schedule's
+            # peak is not linear in it).
+            per_block = (o.peak_bytes - slow.peak_bytes) / k
+            most = len(blocks) if per_block <= 0 else min(len(blocks), int(room / per_block))
+            k = k + max(1, (most - k) // 2) if most > k else k
+        else:
+            miss = k
+            k = (fit + k) // 2
 
 
 def plan(
