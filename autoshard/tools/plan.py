@@ -111,8 +111,8 @@ class Plan:
             lines.append(f"{name:{width}s} {mesh:>16s} {fmt_time(o.step_time):>10s} {o.exposed_comm / o.step_time:8.1%} "
                          f"{fmt_bytes(o.peak_bytes):>14s} {within:>12s} {across:>12s} {energy:>12s}{kwh}{over}")
         if not self.candidate.whole:
-            lines.append(f"blocks {', '.join(self.blocks)}: {self.block_strategy} on {self.block_mesh_shape}; the rest: "
-                         f"{self.strategy} on {self.mesh_shape}")
+            lines.append(f"{len(self.blocks)} blocks ({', '.join(self.blocks[:3])}{', ...' if len(self.blocks) > 3 else ''}): "
+                         f"{self.block_strategy} on {self.block_mesh_shape}; the rest: {self.strategy} on {self.mesh_shape}")
         return "\n".join(lines)
 
     def to_json(self) -> str:
