@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from overlap import SHAPES  # noqa: E402
 
 import autoshard  # noqa: E402
+from autoshard.tools.plan import OVER_BUDGET  # noqa: E402
 from autoshard.tools.plan_layouts import Candidate  # noqa: E402
 from autoshard.tools.simulator import kwh_per_million_tokens  # noqa: E402
 
@@ -65,7 +66,7 @@ def _row(shape: str, plan: autoshard.Plan, seconds: float) -> dict:
         "vs_best": chosen.step_time / best.step_time if best else float("nan"),
         "kwh_per_mtok": kwh(chosen) if chosen.energy_j is not None else None,
         "best_kwh_per_mtok": kwh(best) if best and best.energy_j is not None else None,
-        "compiles": sum(o.error is None or o.error == "does not fit the budget" for o in plan.outcomes),
+        "compiles": sum(o.error is None or o.error == OVER_BUDGET for o in plan.outcomes),
         "plan_s": seconds,
     }
 

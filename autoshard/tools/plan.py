@@ -187,6 +187,7 @@ def _past_the_best_hybrid(outcomes: list[Outcome], limit: float) -> bool:
     return len(tried) >= 2 and tried[-1].peak_bytes <= limit and tried[-1].step_time > tried[-2].step_time
 
 
+OVER_BUDGET = "does not fit the budget"  # an outcome's error when the budget's schedule failed its compile
 _STAGES = ("captured", "forward", "backward")  # what an outcome's metrics read
 TRIES = 2  # compiles of mixed layouts per precision and pair of layouts (each one a candidate's compile time)
 
@@ -228,7 +229,7 @@ class _Search:
             except Exception as e:  # noqa: BLE001 - Dynamo wraps the backend's error; only the budget's is an outcome
                 if not _over_budget(e):
                     raise
-                outcome = Outcome(c, error="does not fit the budget")
+                outcome = Outcome(c, error=OVER_BUDGET)
             else:
                 m = report.metrics
                 states = self.bounds.optimizer_states
@@ -263,7 +264,7 @@ def _mixed(search: _Search, blocks: tuple[str, ...], precision: str) -> None:
     if slow is None or not blocks or not slow.candidate.whole:
         return
     faster = [o.candidate for o in search.outcomes if o.candidate.precision == precision and o.candidate.whole
-              and (o.error == "does not fit the budget" or (o.error is None and o.peak_bytes > search.limit))
+              and (o.error == OVER_BUDGET or (o.error is None and o.peak_bytes > search.limit))
               and search.bounds.step(o.candidate) < slow.step_time]
     if not faster:
         return
