@@ -99,3 +99,29 @@ def test_a_deep_copy_reads_its_own_shards_and_trainability():
                 param.zero_()
         assert twin(x).abs().sum() == 0 and model(x).abs().sum() > 0  # the copy's shards, not the original's
         assert not _leaves(twin[0]).leaf.requires_grad and _leaves(model[0]).leaf.requires_grad
+
+
+def test_a_compiled_copy_frozen_before_its_first_call_is_traced_frozen():
+    """As Dynamo starts tracing a sharded root, its pre-hook syncs every leaf under it (and
+    only under it): a copy frozen before its first compiled call trains as frozen, the
+    original as it was."""
+    import copy
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    with fake_world(1):
+        torch.manual_seed(0)
+        model = autoshard.shard(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)))
+        twin = copy.deepcopy(model)
+        for param in twin[0].parameters():
+            param.requires_grad_(False)
+        x = torch.randn(3, 4)
+        torch.compile(twin, backend=backend)(x).sum().backward()
+        assert len(graphs) == 1
+        assert twin[0]._parameters["weight"].grad is None and twin[1]._parameters["weight"].grad is not None
+        assert not _leaves(twin[0]).leaf.requires_grad and _leaves(model[0]).leaf.requires_grad
+        torch._dynamo.reset()

@@ -9,7 +9,8 @@ still see only the DTensor parameters.
 
 ``requires_grad`` is set on the DTensor parameter, where autoshard cannot see it change, and
 read from the leaf, which Dynamo guards on. It is copied over whenever a forward reads the
-parameter, eagerly or while Dynamo traces it (:func:`checked_trainable`), and, for changes
+parameter eagerly, for every parameter of a sharded root when Dynamo starts tracing its
+forward (:func:`check_before_tracing`), and, for changes
 after compiling, by the compiled graph before each call (:func:`stale`; the backend then runs
 that call eagerly and Dynamo recompiles the next one).
 
@@ -22,7 +23,7 @@ optimizers act on both at once. Leaves are rebuilt when the shard's storage chan
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import torch
 from torch import nn
@@ -99,21 +100,37 @@ def leaf_attribute(name: str) -> str:
     return f"_autoshard_leaf_{name}"
 
 
-def checked_trainable(module: nn.Module, name: str) -> Callable[[int], bool]:
-    """What a forward calls to read the requires_grad of ``module``'s sharded parameter
-    ``name``: it rebuilds the leaf if the shard moved and makes the leaf's requires_grad the
-    parameter's. Dynamo runs it for real while tracing (a constant result, so it traces no
-    DTensor); its argument, :data:`changes`, is what Dynamo guards on."""
-    owner = weakref.ref(module)
+_CHECK = "_autoshard_check_leaves"  # on each module passed to shard(): see attach_check
 
-    def trainable(changes_seen: int) -> bool:  # changes_seen: :data:`changes`, for Dynamo's guard
-        return synced(leaves_of(owner(), name)).requires_grad
 
-    return torch.compiler.assume_constant_result(trainable)
+def attach_check(root: nn.Module) -> None:
+    """Give ``root`` (a module passed to ``shard``) the check :func:`check_before_tracing`
+    calls: it rebuilds every leaf under ``root`` whose shard moved and makes each leaf's
+    ``requires_grad`` its parameter's. Dynamo runs it for real while tracing (a constant
+    result, so it traces no DTensor), once per forward rather than once per parameter use;
+    its argument, :data:`changes`, is what Dynamo guards on. A copy of ``root`` needs its own,
+    as the check holds its module."""
+    owner = weakref.ref(root)
+
+    def check(changes_seen: int) -> bool:  # changes_seen: :data:`changes`, for Dynamo's guard
+        for module in owner().modules():
+            for name in getattr(module, "_autoshard_specs", {}):
+                if isinstance(module._parameters.get(name), DTensor):
+                    synced(leaves_of(module, name))
+        return True
+
+    root.__dict__[_CHECK] = torch.compiler.assume_constant_result(check)
+
+
+def check_before_tracing(root: nn.Module, args: Any) -> None:
+    """Forward pre-hook of each module passed to ``shard``: while Dynamo traces, sync the
+    leaves the traced reads will wrap (eagerly each read syncs its own leaf)."""
+    if torch.compiler.is_compiling():
+        root.__dict__[_CHECK](changes)
 
 
 # How many times a compiled graph found a parameter's requires_grad changed since it was
-# traced. Every traced parameter read passes it to :func:`checked_trainable`'s call, so Dynamo
+# traced. Every traced forward of a sharded root passes it to :func:`attach_check`'s check, so Dynamo
 # guards on it and retraces after a change (not every torch release guards on a graph input's
 # requires_grad, which the leaf alone would rely on).
 changes = 0

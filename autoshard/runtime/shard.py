@@ -58,9 +58,6 @@ class ParamSpec:
     op: Callable[..., torch.Tensor] = field(init=False, compare=False, repr=False)
     head: tuple = field(init=False, compare=False, repr=False)
     tail: tuple = field(init=False, compare=False, repr=False)
-    # The parameter's requires_grad as a forward reads it (leaves.checked_trainable), set once
-    # the parameter exists.
-    trainable: Callable[[int], bool] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         shape = (self.world_size,) if self.dim0 < 0 else (self.world_size, self.dim0, self.reshard)
@@ -74,13 +71,14 @@ class ShardedModule:
     """Mixed into the class of every module ``shard`` touches (like FSDP2's ``FSDPModule``)."""
 
     def __deepcopy__(self, memo: dict) -> nn.Module:
-        # nn.Module's own deep copy, then each parameter's trainability check pointed at the
-        # copy: it holds its module, and a copied check would read the original's leaves.
+        # nn.Module's own deep copy, then the leaves' check pointed at the copy: it holds its
+        # module, and a copied check would read the original's leaves.
         cls = type(self)
         copied = cls.__new__(cls)
         memo[id(self)] = copied
         copied.__setstate__(copy.deepcopy(self.__dict__, memo))
-        _attach_trainability_checks(copied)
+        if getattr(self, _SHARDED, False):
+            leaves.attach_check(copied)
         return copied
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
@@ -111,19 +109,21 @@ _as_shards = 0
 def _getter(name: str) -> Callable[[nn.Module], torch.Tensor]:
     """The property getter of sharded parameter ``name``: its full value, through its
     annotation op. Dynamo inlines this for every parameter use, so it is one flat function
-    reading few attributes (an extra call level or a dict lookup cost a use ~1 ms to trace)."""
+    reading few attributes (an extra call level, a dict lookup or a call Dynamo runs for real
+    each cost a use 1-4 ms to trace)."""
     leaf_attribute, sync, sinks = leaves.leaf_attribute(name), grad_sync.SYNC, grad_sync.SINKS
 
     def get(self: nn.Module) -> torch.Tensor:
         if _as_shards:
             return self._parameters[name]
+        if torch.compiler.is_compiling():
+            leaf = getattr(self, leaf_attribute)  # synced as tracing began (leaves.check_before_tracing)
+        else:
+            leaf = leaves.synced(leaves.leaves_of(self, name))
         spec = self._autoshard_specs[name]
-        # Checks the leaf (autoshard.runtime.leaves) and syncs its requires_grad; Dynamo runs it
-        # for real while tracing, so tracing sees no DTensor.
-        trainable = spec.trainable(leaves.changes)
         # Python constants that Dynamo guards on: one compiled variant per setting.
-        sink = None if not trainable or getattr(self, sync) else getattr(self, sinks)[name]
-        return spec.op(getattr(self, leaf_attribute), *spec.head, sink, *spec.tail)
+        sink = None if getattr(self, sync) or not leaf.requires_grad else getattr(self, sinks)[name]
+        return spec.op(leaf, *spec.head, sink, *spec.tail)
 
     return get
 
@@ -390,13 +390,6 @@ def _plan(
     return layouts, owners
 
 
-def _attach_trainability_checks(module: nn.Module) -> None:
-    """Give each of ``module``'s specs the check a forward calls (leaves.checked_trainable);
-    it holds ``module``, so a copy of the module needs its own."""
-    for name, spec in getattr(module, "_autoshard_specs", {}).items():
-        object.__setattr__(spec, "trainable", leaves.checked_trainable(module, name))
-
-
 def _install(module: nn.Module, owners: Owners, sharded: dict[int, nn.Parameter], mixed_precision: MixedPrecision | None) -> None:
     """Put the new parameters in place and move each owner to its sharded class."""
     for mod, specs in owners:
@@ -410,10 +403,11 @@ def _install(module: nn.Module, owners: Owners, sharded: dict[int, nn.Parameter]
         mod._autoshard_specs = {**getattr(mod, "_autoshard_specs", {}), **specs}
         for name in specs:
             leaves.leaves_of(mod, name)
-        _attach_trainability_checks(mod)
         _reclass(mod)
         setattr(mod, grad_sync.SYNC, getattr(mod, grad_sync.SYNC, True))
     _reclass(module)
+    leaves.attach_check(module)
+    module.register_forward_pre_hook(leaves.check_before_tracing)
     if mixed_precision is not None and mixed_precision.param_dtype is not None and mixed_precision.cast_forward_inputs:
         module.register_forward_pre_hook(cast_inputs_hook(mixed_precision.param_dtype), with_kwargs=True)
     setattr(module, _SHARDED, True)
