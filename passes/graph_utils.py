@@ -258,27 +258,39 @@ def issue_inputs(node: fx.Node) -> list[fx.Node]:
     return near(node, group)
 
 
+class Ordering:
+    """:func:`ordered` for many priorities over one graph that does not change in between (a
+    schedule search): the graph's dependencies are read once, as indices."""
+
+    def __init__(self, graph: fx.Graph) -> None:
+        self.nodes = [n for n in graph.nodes if n.op != "output"]
+        index = {n: i for i, n in enumerate(self.nodes)}
+        self.inputs = [sum(1 for a in n.all_input_nodes if a in index) for n in self.nodes]
+        self.users = [[index[u] for u in n.users if u in index] for n in self.nodes]
+
+    def __call__(self, priority: dict[fx.Node, float]) -> list[fx.Node]:
+        nodes, users = self.nodes, self.users
+        key = [(priority.get(n, float(i)), i) for i, n in enumerate(nodes)]
+        missing = list(self.inputs)
+        ready = [key[i] for i, m in enumerate(missing) if m == 0]
+        heapq.heapify(ready)
+        order: list[fx.Node] = []
+        while ready:
+            i = heapq.heappop(ready)[1]
+            order.append(nodes[i])
+            for u in users[i]:
+                missing[u] -= 1
+                if missing[u] == 0:
+                    heapq.heappush(ready, key[u])
+        assert len(order) == len(nodes), "graph has a cycle"
+        return order
+
+
 def ordered(graph: fx.Graph, priority: dict[fx.Node, float]) -> list[fx.Node]:
     """The graph's nodes but the output, in the topological order that follows ``priority``
     (lower first) as closely as dependencies allow; nodes without a priority keep their
     current position. Deterministic (ties keep the current order); changes nothing."""
-    nodes = [n for n in graph.nodes if n.op != "output"]
-    index = {n: i for i, n in enumerate(nodes)}
-    key = {n: (priority.get(n, float(i)), i) for n, i in index.items()}
-    missing = {n: sum(1 for a in n.all_input_nodes if a in index) for n in nodes}
-    ready = [key[n] for n in nodes if missing[n] == 0]
-    heapq.heapify(ready)
-    order: list[fx.Node] = []
-    while ready:
-        node = nodes[heapq.heappop(ready)[1]]
-        order.append(node)
-        for user in node.users:
-            if user in missing:
-                missing[user] -= 1
-                if missing[user] == 0:
-                    heapq.heappush(ready, key[user])
-    assert len(order) == len(nodes), "graph has a cycle"
-    return order
+    return Ordering(graph)(priority)
 
 
 def reorder(gm: fx.GraphModule, priority: dict[fx.Node, float]) -> fx.GraphModule:

@@ -11,12 +11,12 @@ from autoshard._compat import c10d
 
 from .graph_utils import (
     GATHERED,
+    Ordering,
     collective_kind,
     collectives,
     exclusive_inputs,
     issue_inputs,
     nbytes,
-    ordered,
     outputs_of,
     positions,
     reorder,
@@ -223,9 +223,11 @@ def schedule_overlap(
     storages = Storages([n for n in g.graph.nodes if n.op != "output"])
     workspace, input_copied = functools.cache(workspace), functools.cache(input_copied)
 
+    ordering = Ordering(g.graph)  # the graph does not change during the search
+
     def evaluate(plan: SchedulePlan, late: Collection[str] = late_release, ws: Workspace = workspace) -> SchedulePlan:
         priority = g.priorities(plan)
-        order = ordered(g.graph, priority)
+        order = ordering(priority)
         peak, at = peak_bytes(order, ws, pin_inputs=not shards_outside, held_outside=shards, late_release=late,
                               input_copied=input_copied, output_at_wait=output_at_wait, storages=storages)
         seconds = step_time(order, compute_time, collective_time, comm_overlap, comm_issue_cost)
