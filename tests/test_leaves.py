@@ -102,9 +102,8 @@ def test_a_deep_copy_reads_its_own_shards_and_trainability():
 
 
 def test_a_compiled_copy_frozen_before_its_first_call_is_traced_frozen():
-    """As Dynamo starts tracing a sharded root, its pre-hook syncs every leaf under it (and
-    only under it): a copy frozen before its first compiled call trains as frozen, the
-    original as it was."""
+    """As Dynamo traces a sharded root's forward, it syncs every leaf under it (and only under
+    it): a copy frozen before its first compiled call trains as frozen, the original as it was."""
     import copy
 
     graphs = []

@@ -10,7 +10,7 @@ still see only the DTensor parameters.
 ``requires_grad`` is set on the DTensor parameter, where autoshard cannot see it change, and
 read from the leaf, which Dynamo guards on. It is copied over whenever a forward reads the
 parameter eagerly; for every parameter under a module passed to ``shard`` when Dynamo starts
-tracing that module's forward (:func:`check_before_tracing`: once per traced forward, not once
+tracing that module's forward (:func:`check_before_tracing`, from that module's forward: once per traced forward, not once
 per parameter use, which cost each use ~3 ms of tracing); and, for changes after compiling, by
 the compiled graph before each call (:func:`stale`; the backend then runs that call eagerly
 and Dynamo recompiles the next one). A compiled submodule that was not itself passed to
@@ -104,7 +104,7 @@ def leaf_attribute(name: str) -> str:
     return f"_autoshard_leaf_{name}"
 
 
-_CHECK = "_autoshard_check_leaves"  # on each module passed to shard(): see attach_check
+CHECK = "_autoshard_check_leaves"  # on each module passed to shard(): see attach_check
 
 
 def attach_check(root: nn.Module) -> None:
@@ -123,14 +123,14 @@ def attach_check(root: nn.Module) -> None:
                     synced(leaves_of(module, name))
         return True
 
-    root.__dict__[_CHECK] = torch.compiler.assume_constant_result(check)
+    root.__dict__[CHECK] = torch.compiler.assume_constant_result(check)
 
 
-def check_before_tracing(root: nn.Module, args: Any) -> None:
-    """Forward pre-hook of each module passed to ``shard``: while Dynamo traces, sync the
-    leaves the traced reads will wrap (eagerly each read syncs its own leaf)."""
+def check_before_tracing(root: nn.Module) -> None:
+    """What the forward of each module passed to ``shard`` calls first: while Dynamo traces,
+    sync the leaves the traced reads will wrap (eagerly each read syncs its own leaf)."""
     if torch.compiler.is_compiling():
-        root.__dict__[_CHECK](changes)
+        root.__dict__[CHECK](changes)
 
 
 # How many times a compiled graph found a parameter's requires_grad changed since it was

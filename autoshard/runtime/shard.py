@@ -19,6 +19,7 @@ in ``module._parameters``.
 from __future__ import annotations
 
 import copy
+import functools
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -117,7 +118,7 @@ def _getter(name: str) -> Callable[[nn.Module], torch.Tensor]:
         if _as_shards:
             return self._parameters[name]
         if torch.compiler.is_compiling():
-            leaf = getattr(self, leaf_attribute)  # synced as tracing began (leaves.check_before_tracing)
+            leaf = getattr(self, leaf_attribute)  # synced as the root's forward was traced (_checked_forward)
         else:
             leaf = leaves.synced(leaves.leaves_of(self, name))
         spec = self._autoshard_specs[name]
@@ -128,7 +129,7 @@ def _getter(name: str) -> Callable[[nn.Module], torch.Tensor]:
     return get
 
 
-_subclasses: dict[tuple[type, tuple[str, ...]], type] = {}
+_subclasses: dict[tuple[type, tuple[str, ...], bool], type] = {}
 _base_of: dict[type, type] = {}  # sharded subclass -> the user's class
 # Each sharded parameter keeps its spec under this attribute, so a module that shares an
 # already sharded parameter (a tied head sharded after its embedding) gets the same annotation.
@@ -143,13 +144,30 @@ def _apply_keeping_leaves(self: nn.Module, fn, recurse: bool = True) -> nn.Modul
     return result
 
 
-def _sharded_class(cls: type, names: tuple[str, ...]) -> type:
-    """A subclass of ``cls`` whose ``names`` are properties returning full parameters."""
+def _checked_forward(forward: Callable) -> Callable:
+    """The forward of a module passed to ``shard``: its class's, after syncing the leaves under
+    it as Dynamo starts tracing it (leaves.check_before_tracing). A method, not a forward
+    pre-hook: Dynamo traces a compiled module's forward on every torch release, its hooks
+    not on all."""
+
+    @functools.wraps(forward)
+    def checked(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        leaves.check_before_tracing(self)
+        return forward(self, *args, **kwargs)
+
+    return checked
+
+
+def _sharded_class(cls: type, names: tuple[str, ...], root: bool = False) -> type:
+    """A subclass of ``cls`` whose ``names`` are properties returning full parameters; for a
+    module passed to ``shard`` (``root``), with its leaves checked as a forward is traced."""
     cls = _base_of.get(cls, cls)
-    key = (cls, names)
+    key = (cls, names, root)
     if key not in _subclasses:
         props: dict = {n: property(_getter(n)) for n in names}
         props["_apply"] = _apply_keeping_leaves
+        if root:
+            props["forward"] = _checked_forward(cls.forward)
         sub = type(f"Sharded{cls.__name__}", (cls, ShardedModule), props)
         _subclasses[key], _base_of[sub] = sub, cls
     return _subclasses[key]
@@ -170,8 +188,9 @@ def parameters_as_shards() -> Iterator[None]:
 
 def _reclass(module: nn.Module) -> None:
     """Move ``module`` to the sharded subclass for the parameters it annotates (none: only
-    :class:`ShardedModule`'s methods)."""
-    module.__class__ = _sharded_class(type(module), tuple(sorted(getattr(module, "_autoshard_specs", {}))))
+    :class:`ShardedModule`'s methods) and whether it was passed to ``shard``."""
+    names = tuple(sorted(getattr(module, "_autoshard_specs", {})))
+    module.__class__ = _sharded_class(type(module), names, root=leaves.CHECK in module.__dict__)
 
 
 def _default_mesh(module: nn.Module, shape: tuple[int, ...] | None = None) -> DeviceMesh:
@@ -405,9 +424,8 @@ def _install(module: nn.Module, owners: Owners, sharded: dict[int, nn.Parameter]
             leaves.leaves_of(mod, name)
         _reclass(mod)
         setattr(mod, grad_sync.SYNC, getattr(mod, grad_sync.SYNC, True))
-    _reclass(module)
     leaves.attach_check(module)
-    module.register_forward_pre_hook(leaves.check_before_tracing)
+    _reclass(module)
     if mixed_precision is not None and mixed_precision.param_dtype is not None and mixed_precision.cast_forward_inputs:
         module.register_forward_pre_hook(cast_inputs_hook(mixed_precision.param_dtype), with_kwargs=True)
     setattr(module, _SHARDED, True)
