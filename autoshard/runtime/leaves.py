@@ -9,12 +9,12 @@ still see only the DTensor parameters.
 
 ``requires_grad`` is set on the DTensor parameter, where autoshard cannot see it change, and
 read from the leaf, which Dynamo guards on. It is copied over whenever a forward reads the
-parameter eagerly; for every parameter under a module passed to ``shard`` when Dynamo starts
-tracing that module's forward (:func:`check_before_tracing`, from that module's forward: once per traced forward, not once
-per parameter use, which cost each use ~3 ms of tracing); and, for changes after compiling, by
+parameter eagerly; for every parameter under a module passed to ``shard`` when Dynamo traces
+that module's forward, which calls :func:`check_before_tracing` first (once per traced
+forward, not once per parameter use, which cost each use ~3 ms of tracing); and, for changes after compiling, by
 the compiled graph before each call (:func:`stale`; the backend then runs that call eagerly
 and Dynamo recompiles the next one). A compiled submodule that was not itself passed to
-``shard`` has no such hook: a change made before its first compiled call is then caught by
+``shard`` has no such check: a change made before its first compiled call is then caught by
 :func:`stale` (one eager call, and on torch releases that do not retrace on an input's
 ``requires_grad`` alone, eager calls until the root is traced again).
 
