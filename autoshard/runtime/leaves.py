@@ -27,7 +27,7 @@ optimizers act on both at once. Leaves are rebuilt when the shard's storage chan
 from __future__ import annotations
 
 import weakref
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Iterator, NamedTuple, Sequence
 
 import torch
 from torch import nn
@@ -117,10 +117,8 @@ def attach_check(root: nn.Module) -> None:
     owner = weakref.ref(root)
 
     def check(changes_seen: int) -> bool:  # changes_seen: :data:`changes`, for Dynamo's guard
-        for module in owner().modules():
-            for name in getattr(module, "_autoshard_specs", {}):
-                if isinstance(module._parameters.get(name), DTensor):
-                    synced(leaves_of(module, name))
+        for module, name in _sharded(owner()):
+            synced(leaves_of(module, name))
         return True
 
     root.__dict__[CHECK] = torch.compiler.assume_constant_result(check)
@@ -189,7 +187,13 @@ def leaves_of(module: nn.Module, name: str) -> Leaves:
 def refresh(module: nn.Module) -> None:
     """Rebuild the leaves of every sharded parameter of ``module`` and its submodules whose
     shard changed storage (after ``module.to``, ``to_empty``)."""
+    for m, name in _sharded(module):
+        leaves_of(m, name)
+
+
+def _sharded(module: nn.Module) -> Iterator[tuple[nn.Module, str]]:
+    """(owner, name) of every sharded parameter of ``module`` and its submodules."""
     for m in module.modules():
         for name in getattr(m, "_autoshard_specs", {}):
             if isinstance(m._parameters.get(name), DTensor):
-                leaves_of(m, name)
+                yield m, name
