@@ -7,7 +7,7 @@ partitioned graph, bucket_collectives then schedule_overlap (or PyTorch's own sc
 inductor_schedule, as a baseline), then over gloo gathers_into_buffers and, for graphs run
 op by op, reductions_by_exchange and free_collective_buffers.
 """
-from .bucket import bucket_collectives, plan_buckets
+from .bucket import bucket_collectives, plan_buckets, planned_buckets
 from .gloo import free_collective_buffers, gathers_in_place, gathers_into_buffers, reductions_by_exchange
 from .inductor_schedule import inductor_schedule
 from .lower import lower_annotations
@@ -16,6 +16,7 @@ from .schedule import schedule_overlap
 
 __all__ = [
     "bucket_collectives",
+    "planned_buckets",
     "free_collective_buffers",
     "gathers_in_place",
     "gathers_into_buffers",

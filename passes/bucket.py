@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import fx
@@ -192,11 +192,18 @@ def _slice_back(
 
 
 # Rewritten in this order: all-reduces may take reduce-scatters' results (hybrid sharding).
-_REWRITES = (
-    (c10d.all_gather_into_tensor.default, _bucket_gathers),
-    (c10d.reduce_scatter_tensor.default, _bucket_reduces),
-    (c10d.all_reduce.default, _bucket_all_reduces),
-)
+_REWRITES = {
+    c10d.all_gather_into_tensor.default: _bucket_gathers,
+    c10d.reduce_scatter_tensor.default: _bucket_reduces,
+    c10d.all_reduce.default: _bucket_all_reduces,
+}
+
+
+def planned_buckets(graph: fx.Graph, bucket_mb: float | None = None) -> dict[Any, list[list[fx.Node]]]:
+    """The buckets :func:`bucket_collectives` makes of ``graph``'s per-parameter collectives,
+    by op (in rewrite order; a bucket of one is left as it is), without changing the graph."""
+    bucket_bytes = mib_to_bytes(bucket_mb)
+    return {op: plan_buckets([n for n in collectives(graph, op) if PARAMS in n.meta], bucket_bytes) for op in _REWRITES}
 
 
 def bucket_collectives(gm: fx.GraphModule, bucket_mb: float | None = None) -> fx.GraphModule:
@@ -212,15 +219,14 @@ def bucket_collectives(gm: fx.GraphModule, bucket_mb: float | None = None) -> fx
     ``meta["autoshard_gathered"]``; the collective's ``meta["autoshard_params"]`` lists its
     parameters.
     """
-    bucket_bytes = mib_to_bytes(bucket_mb)
     graph = gm.graph
     pos = positions(graph.nodes)  # priorities refer to the order before any rewrite
     priority: dict[fx.Node, float] = {}
-    for op, rewrite in _REWRITES:
-        named = [n for n in collectives(graph, op) if PARAMS in n.meta]
-        for bucket in plan_buckets(named, bucket_bytes):
+    # Planned before any rewrite: a rewrite leaves the other kinds' collectives as they are.
+    for op, buckets in planned_buckets(graph, bucket_mb).items():
+        for bucket in buckets:
             if len(bucket) > 1:
-                rewrite(graph, bucket, pos, priority)
+                _REWRITES[op](graph, bucket, pos, priority)
     for node in graph.nodes:
         priority.setdefault(node, pos.get(node, 0.0))
     return reorder(gm, priority)

@@ -29,7 +29,8 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from autoshard._compat import c10d, recompute_region
-from autoshard.compiler.bucket_plan import choose_bucket_mb
+from autoshard.compiler.bucket_plan import Timing, choose_bucket_mb, step_time_floor
+from autoshard.compiler.cost_model import collective_of
 from autoshard.passes import (
     bucket_collectives,
     free_collective_buffers,
@@ -456,6 +457,34 @@ def test_bucket_plan_meets_a_budget_block_buckets_cannot_with_smaller_ones():
     assert mb is not None and plan.peak_bytes <= budget
     with pytest.raises(ValueError, match="is below what this graph needs"):
         choose_bucket_mb(stage(Stack, "forward"), schedule, plan.smallest_bytes // 2)
+
+
+@pytest.mark.parametrize("side", ["forward", "backward"])
+@pytest.mark.parametrize("latency", [0.05, 3.0])
+def test_bucket_plan_skips_only_splits_its_floor_rules_out(side, latency):
+    """``step_time_floor`` is below every split's step time as the schedule finds it. With a
+    latency of 3 per collective, splitting only adds collectives: the floor rules both splits
+    out, so only the block buckets are bucketed and scheduled; with 0.05 both are tried.
+    Either way the choice is the one found by trying every split."""
+    sizes = [nbytes(n) for n in _bucketed(side).graph.nodes if collective_kind(n) == "all_gather"]
+    # Bytes as the cost model counts them (a reduction's input), as Timing.comm_time takes them.
+    comm = lambda n, size=None: latency + 2.0 * (collective_of(n).nbytes if size is None else size) / max(sizes)  # noqa: E731
+    scheduled = []
+
+    def schedule(gm: fx.GraphModule, budget: int | None) -> None:
+        scheduled.append(gm)
+        schedule_overlap(gm, _matmuls_take_one, comm, memory_budget_bytes=budget, no_more_than=(1, 1))
+
+    timing = Timing(_matmuls_take_one, comm)
+    every = choose_bucket_mb(stage(Stack, side), schedule, None)
+    tried, scheduled[:] = list(scheduled), []
+    skipping = choose_bucket_mb(stage(Stack, side), schedule, None, timing)
+    assert every[:2] == skipping[:2] and events(every[2]) == events(skipping[2])
+    for gm, parts in zip(tried[1:], (2, 4)):
+        mb = max(sizes) / parts / 2**20
+        assert step_time_floor(stage(Stack, side), mb, timing) <= gm.meta[PLAN].step_time
+    forced = tried[0].meta[PLAN].forced
+    assert len(tried) == (3 if forced else 1) and (len(scheduled) == 1) == (latency == 3.0 or not forced)
 
 
 # the step model and the memory budget (bucketed forward of Stack) ---------------------------

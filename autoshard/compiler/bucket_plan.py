@@ -8,26 +8,65 @@ shrinks with the bucket, for one more collective's latency per split. :func:`cho
 schedules the block buckets, and only if the budget forced that plan, halves and quarters of
 the largest bucket, each on a copy of the graph, and keeps the fastest that fits (of those
 within 2% of it, the one that holds least). The chosen copy, bucketed but not yet reordered,
-is the graph the pipeline goes on with: nothing is bucketed twice.
+is the graph the pipeline goes on with: nothing is bucketed twice. A split whose step time
+cannot come within 2% of a fitting candidate's in any order (:func:`step_time_floor`: its
+collectives alone, or the compute with what they take from it, already last longer) is not
+bucketed at all: on a latency-bound link, splitting only adds collectives.
 
 Deterministic, from graph structure and the cost model: every rank makes the same choice.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 from torch import fx
 
 from autoshard._compat import copy_graph
-from autoshard.passes import bucket_collectives
-from autoshard.passes.graph_utils import collective_kind, nbytes
+from autoshard.compiler.cost_model import collective_of
+from autoshard.passes import bucket_collectives, planned_buckets
+from autoshard.passes.graph_utils import collective_kind, is_wait, nbytes
 from autoshard.passes.schedule import PLAN, SchedulePlan
+from autoshard.passes.step_model import caller_cost
 
 SPLITS = (2, 4)  # candidate buckets: the largest block bucket cut into this many parts
 TIES = 0.02  # step times within 2% of the fastest count as equal (run-to-run noise is larger): the smallest peak wins
 # schedule(graph, budget_bytes or None for the default) finds a bucketed graph's plan and
 # records it in graph.meta[PLAN], leaving the order as it is.
 Schedule = Callable[[fx.GraphModule, "int | None"], None]
+
+
+@dataclass(frozen=True)
+class Timing:
+    """How the schedule prices a graph (``step_model.step_time``'s arguments): a floor of its
+    step time must price it alike."""
+
+    compute_time: Callable[[fx.Node], float]
+    comm_time: Callable[..., float]  # comm_time(collective, nbytes=None), as cost_model.estimators
+    overlap: float = 1.0
+    issue_cost: float = 0.0
+
+
+def step_time_floor(gm: fx.GraphModule, bucket_mb: float | None, timing: Timing) -> float:
+    """A lower bound of the step time of ``gm`` (lowered, not bucketed) bucketed at
+    ``bucket_mb``, in any order: its collectives run one after another and each is waited for,
+    so the step lasts at least their sum; and it runs every compute node of ``gm`` (bucketing
+    adds copies, priced at 0 or more) plus what each collective takes from compute."""
+    graph = gm.graph
+    durations, bucketed = [], set()
+    for buckets in planned_buckets(graph, bucket_mb).values():
+        for bucket in buckets:
+            durations.append(timing.comm_time(bucket[0], sum(collective_of(n).nbytes for n in bucket)))
+            bucketed.update(bucket)
+    compute = 0.0
+    for n in graph.nodes:
+        if collective_kind(n) is not None:
+            if n not in bucketed:
+                durations.append(timing.comm_time(n))
+        elif n.op != "output" and not is_wait(n):
+            compute += timing.compute_time(n)
+    taken = sum(caller_cost(d, timing.overlap, timing.issue_cost) for d in durations)
+    return max(sum(durations), compute + taken)
 
 
 class _Trial(fx.GraphModule):
@@ -52,7 +91,7 @@ def _trial(gm: fx.GraphModule, bucket_mb: float | None, schedule: Schedule, budg
 Choice = tuple["float | None", "SchedulePlan | None", fx.GraphModule]
 
 
-def choose_bucket_mb(gm: fx.GraphModule, schedule: Schedule, budget: int | None) -> Choice:
+def choose_bucket_mb(gm: fx.GraphModule, schedule: Schedule, budget: int | None, timing: Timing | None = None) -> Choice:
     """(bucket cap in MiB, None for block buckets; the schedule's plan for it; ``gm``'s
     graph bucketed at that cap, in its order before scheduling) for a lowered graph.
     ``budget``: the user's, or None for the default (FSDP2's peak on the block buckets: a
@@ -60,7 +99,8 @@ def choose_bucket_mb(gm: fx.GraphModule, schedule: Schedule, budget: int | None)
     ValueError when a user's budget fits no candidate (the one of the smallest buckets); the
     default always has a plan (block buckets, as close to FSDP2's peak as they come). The
     plan is the one to schedule the bucketed graph with (no second search). ``gm`` is left
-    as it is."""
+    as it is. ``timing``: how ``schedule`` prices graphs; with it, a split that
+    :func:`step_time_floor` rules out is not tried (the choice is the same)."""
     default = budget is None
     plan: SchedulePlan | None = None
     try:
@@ -79,6 +119,8 @@ def choose_bucket_mb(gm: fx.GraphModule, schedule: Schedule, budget: int | None)
     error = None
     for parts in SPLITS if sizes else ():
         mb = max(sizes) / parts / 2**20
+        if timing is not None and fitting and step_time_floor(gm, mb, timing) > min(c[1].step_time for c in fitting) * (1 + TIES):
+            continue  # slower than a fitting candidate beyond ties, whatever its order: never chosen
         try:
             trial = _trial(gm, mb, schedule, budget)
             fitting.append((mb, trial.meta[PLAN], trial))

@@ -9,13 +9,14 @@ module is imported, so a misordered list fails at once instead of compiling a wr
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence, Union
 
 from torch import fx
 
 from autoshard._compat import save_random_ops_in_checkpoints
-from autoshard.compiler.bucket_plan import choose_bucket_mb
+from autoshard.compiler.bucket_plan import Timing, choose_bucket_mb
 from autoshard.compiler.consistency import check_ranks_agree
 from autoshard.compiler.cost_model import GLOO_RELEASE_LATE, input_copied
 from autoshard.compiler.options import SCHEDULES
@@ -137,7 +138,9 @@ def _bucket(gm: fx.GraphModule, ctx: Context) -> None:
     if opts.schedule == "autoshard" and opts.bucket_mb is None and ctx.compute_time is not None:
         # The bucket size is the planner's to choose (autoshard.compiler.bucket_plan); the
         # graph it bucketed for that size is the one to go on with.
-        ctx.bucket_mb, ctx.plan, chosen = choose_bucket_mb(gm, lambda g, b: _schedule(g, ctx, b, only_plan=True), _budget(ctx))
+        timing = Timing(functools.cache(_rank_independent(ctx.compute_time)), ctx.comm_time, ctx.comm_overlap, ctx.comm_issue_cost)
+        schedule = lambda g, b: _schedule(g, ctx, b, only_plan=True)  # noqa: E731
+        ctx.bucket_mb, ctx.plan, chosen = choose_bucket_mb(gm, schedule, _budget(ctx), timing)
         gm.graph = chosen.graph
     else:
         bucket_collectives(gm, ctx.bucket_mb)
