@@ -269,20 +269,24 @@ class Ordering:
         self.users = [[index[u] for u in n.users if u in index] for n in self.nodes]
 
     def __call__(self, priority: dict[fx.Node, float]) -> list[fx.Node]:
-        nodes, users = self.nodes, self.users
-        key = [(priority.get(n, float(i)), i) for i, n in enumerate(nodes)]
+        return [self.nodes[i] for i in self.indices(priority)]
+
+    def indices(self, priority: dict[fx.Node, float]) -> list[int]:
+        """The order as indices into ``self.nodes``."""
+        users = self.users
+        key = [(priority.get(n, float(i)), i) for i, n in enumerate(self.nodes)]
         missing = list(self.inputs)
         ready = [key[i] for i, m in enumerate(missing) if m == 0]
         heapq.heapify(ready)
-        order: list[fx.Node] = []
+        order: list[int] = []
         while ready:
             i = heapq.heappop(ready)[1]
-            order.append(nodes[i])
+            order.append(i)
             for u in users[i]:
                 missing[u] -= 1
                 if missing[u] == 0:
                     heapq.heappush(ready, key[u])
-        assert len(order) == len(nodes), "graph has a cycle"
+        assert len(order) == len(self.nodes), "graph has a cycle"
         return order
 
 

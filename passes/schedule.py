@@ -22,7 +22,7 @@ from .graph_utils import (
     reorder,
     wait_of,
 )
-from .step_model import Storages, Workspace, never, no_workspace, peak_bytes, step_time
+from .step_model import PeakModel, Storages, TimeModel, Workspace, never, no_workspace
 
 PLAN = "autoshard_schedule"  # gm.meta key: the chosen SchedulePlan, for explain and the report
 
@@ -87,12 +87,18 @@ class _Graph:
         self.reduce_issue = [[exclusive_inputs(r) + [r] for r in reduces] for reduces in self.reduce_kinds]
         self.reduce_outputs = [[outputs_of(wait_of(r)) for r in reduces] for reduces in self.reduce_kinds]
         moved |= {n for kind in self.reduce_issue + self.reduce_outputs for group in kind for n in group}
-        # Compute time before each position, over the nodes that stay in place.
-        self.elapsed, total = [], 0.0
-        for node in graph.nodes:
-            self.elapsed.append(total)
-            if node not in moved:
-                total += compute_time(node)
+        self._moved, self._compute_time = moved, compute_time
+
+    @functools.cached_property
+    def elapsed(self) -> list[float]:
+        """Compute time before each position, over the nodes that stay in place (only a
+        search needs it: a given plan is placed without timing anything)."""
+        elapsed, total = [], 0.0
+        for node in self.graph.nodes:
+            elapsed.append(total)
+            if node not in self._moved:
+                total += self._compute_time(node)
+        return elapsed
 
     def issue_at(self, j: int, d: int) -> int:
         g = self.gathers[j]
@@ -220,18 +226,23 @@ def schedule_overlap(
     if shards_outside:
         shards = {a for x in g.gathers for n in x.issue for a in n.all_input_nodes if a.op == "placeholder"}
 
-    storages = Storages([n for n in g.graph.nodes if n.op != "output"])
-    workspace, input_copied = functools.cache(workspace), functools.cache(input_copied)
+    # The graph does not change during the search: its dependencies, storages and times are read once.
+    ordering = Ordering(g.graph)
+    nodes = ordering.nodes
+    storages = Storages(nodes)
+    timed = TimeModel(nodes, compute_time, collective_time, comm_overlap, comm_issue_cost)
 
-    ordering = Ordering(g.graph)  # the graph does not change during the search
+    @functools.cache
+    def memory(late: tuple[str, ...], ws: Workspace) -> PeakModel:
+        return PeakModel(nodes, ws, pin_inputs=not shards_outside, held_outside=shards, late_release=late,
+                         input_copied=input_copied, output_at_wait=output_at_wait, storages=storages)
 
     def evaluate(plan: SchedulePlan, late: Collection[str] = late_release, ws: Workspace = workspace) -> SchedulePlan:
         priority = g.priorities(plan)
-        order = ordering(priority)
-        peak, at = peak_bytes(order, ws, pin_inputs=not shards_outside, held_outside=shards, late_release=late,
-                              input_copied=input_copied, output_at_wait=output_at_wait, storages=storages)
-        seconds = step_time(order, compute_time, collective_time, comm_overlap, comm_issue_cost)
-        return replace(plan, peak_bytes=peak + outside_bytes, step_time=seconds, peak_at=priority[order[at]] if order else 0.0)
+        order = ordering.indices(priority)
+        peak, at = memory(tuple(late), ws).peak(order)
+        seconds = timed.time(order)
+        return replace(plan, peak_bytes=peak + outside_bytes, step_time=seconds, peak_at=priority[nodes[order[at]]] if order else 0.0)
 
     plan = SchedulePlan(tuple(fast), max_reduces_in_flight, blocked=(True,) * len(fast) if blocking else ())
     budget = memory_budget_bytes

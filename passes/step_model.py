@@ -112,46 +112,88 @@ def peak_bytes(
     the graph runs in place and then copies its chunk from, passes/gloo.py), not at the issue.
     ``storages``: :class:`Storages` of these nodes, when the caller prices many orders of them.
     """
-    pos = {n: i for i, n in enumerate(order)}
-    end = len(order)
-    found = storages or Storages(order)
-    root, sizes = found.root, found.size
-    release = release_points(order, late_release)
-    last: dict[fx.Node, int] = {}
-    for n in order:
-        for a in n.all_input_nodes:
-            r = root.get(a, a)
-            last[r] = max(last.get(r, -1), pos[n])
-        if n in release and reads_input_until_wait(n, input_copied):
-            for a in n.all_input_nodes:  # the collective's input, read until the wait (or later)
-                r = root.get(a, a)
-                last[r] = max(last.get(r, -1), release[n])
-    output = order[0].graph.output_node() if order else None
-    if output is not None:
-        for a in output.all_input_nodes:
-            last[root.get(a, a)] = end
-    delta = [0] * (end + 1)
-    for n in order:
-        if root[n] is not n:
-            continue
-        size = 0 if n in held_outside else sizes[n]
-        if not size:
-            continue
-        free = end if (n.op == "placeholder" and pin_inputs) else last.get(n, pos[n])
-        born = pos[n]
-        if collective_kind(n) in output_at_wait:
-            born = next((pos[u] for u in n.users if is_wait(u) and u in pos), born)
-        delta[born] += size
-        delta[min(free + 1, end)] -= size
-        if n in release and (extra := workspace(n)):
-            delta[pos[n]] += extra
-            delta[min(release[n] + 1, end)] -= extra
-    live = peak = at = 0
-    for i in range(end):
-        live += delta[i]
-        if live > peak:
-            peak, at = live, i
-    return peak, at
+    model = PeakModel(order, workspace, pin_inputs, held_outside, late_release, input_copied, output_at_wait, storages)
+    return model.peak(list(range(len(order))))
+
+
+class PeakModel:
+    """:func:`peak_bytes` of many orders of the same nodes (a schedule search): what no order
+    changes (storages, sizes, inputs, waits, workspaces) is read once, as indices into
+    ``nodes``; :meth:`peak` takes an order as a permutation of those indices."""
+
+    def __init__(
+        self,
+        nodes: Sequence[fx.Node],
+        workspace: Workspace = no_workspace,
+        pin_inputs: bool = True,
+        held_outside: Collection[fx.Node] = (),
+        late_release: Collection[str] = (),
+        input_copied: Callable[[fx.Node], bool] = never,
+        output_at_wait: Collection[str] = (),
+        storages: Storages | None = None,
+    ) -> None:
+        self.nodes = list(nodes)
+        index = {n: i for i, n in enumerate(self.nodes)}
+        found = storages or Storages(self.nodes)
+        root = [index.get(found.root[n], -1) for n in self.nodes]
+        rooted = lambda a: root[index[a]] if a in index else -1  # noqa: E731  inputs elsewhere never free anything here
+        self.inputs = [[r for r in map(rooted, n.all_input_nodes) if r >= 0] for n in self.nodes]
+        self.collectives = [i for i, n in enumerate(self.nodes) if collective_kind(n) is not None]
+        self.wait = {c: next((index[u] for u in self.nodes[c].users if is_wait(u) and u in index), -1) for c in self.collectives}
+        self.late = {c for c in self.collectives if collective_kind(self.nodes[c]) in late_release}
+        self.reads = [c for c in self.collectives if reads_input_until_wait(self.nodes[c], input_copied)]
+        # Each storage: (node index, bytes, pinned to the end, made at its collective's wait).
+        self.storages = []
+        for i, n in enumerate(self.nodes):
+            size = 0 if n in held_outside else found.size[n] if root[i] == i else 0
+            if size:
+                at_wait = collective_kind(n) in output_at_wait and self.wait.get(i, -1) >= 0
+                self.storages.append((i, size, n.op == "placeholder" and pin_inputs, at_wait))
+        # A collective's workspace counts where its own storage does.
+        counted = {i for i, *_ in self.storages}
+        self.workspace = [(c, extra) for c in self.collectives if c in counted and (extra := workspace(self.nodes[c]))]
+        output = self.nodes[0].graph.output_node() if self.nodes else None
+        self.live_to_end = [r for r in map(rooted, output.all_input_nodes) if r >= 0] if output is not None else []
+
+    def peak(self, order: Sequence[int]) -> tuple[int, int]:
+        """(peak live bytes, position of the peak in ``order``)."""
+        end = len(order)
+        pos = [0] * len(self.nodes)
+        for p, i in enumerate(order):
+            pos[i] = p
+        issues = sorted(pos[c] for c in self.collectives)
+        release = {}
+        for c in self.collectives:
+            w = self.wait[c]
+            at = pos[w] if w >= 0 else end
+            release[c] = linger(issues, at) if c in self.late and w >= 0 else at
+        last = [-1] * len(self.nodes)
+        for i, inputs in enumerate(self.inputs):
+            p = pos[i]
+            for r in inputs:
+                if last[r] < p:
+                    last[r] = p
+        for c in self.reads:  # the collective's input, read until the wait (or later)
+            at = release[c]
+            for r in self.inputs[c]:
+                if last[r] < at:
+                    last[r] = at
+        for r in self.live_to_end:
+            last[r] = end
+        delta = [0] * (end + 1)
+        for i, size, pinned, at_wait in self.storages:
+            free = end if pinned else (last[i] if last[i] >= 0 else pos[i])
+            delta[pos[self.wait[i]] if at_wait else pos[i]] += size
+            delta[min(free + 1, end)] -= size
+        for c, extra in self.workspace:
+            delta[pos[c]] += extra
+            delta[min(release[c] + 1, end)] -= extra
+        live = peak = at = 0
+        for i in range(end):
+            live += delta[i]
+            if live > peak:
+                peak, at = live, i
+        return peak, at
 
 
 def caller_cost(duration: float, overlap: float, issue_cost: float) -> float:
@@ -172,16 +214,44 @@ def step_time(
     added to compute (on CPU ranks gloo's threads take cycles from it), with ``issue_cost``
     (the profile's ``comm_issue_cost``), at most the collective's own time
     (:func:`caller_cost`)."""
-    now = comm = 0.0
-    ends: dict[fx.Node, float] = {}
-    for n in order:
-        if collective_kind(n) is not None:
-            duration = collective_time(n)
-            comm = max(comm, now) + duration
-            ends[n] = comm
-            now += caller_cost(duration, overlap, issue_cost)
-        elif is_wait(n):
-            now = max(now, ends.get(n.args[0], now))
-        else:
-            now += compute_time(n)
-    return now
+    return TimeModel(order, compute_time, collective_time, overlap, issue_cost).time(list(range(len(order))))
+
+
+class TimeModel:
+    """:func:`step_time` of many orders of the same nodes: each node's time is priced once;
+    :meth:`time` takes an order as a permutation of indices into ``nodes``."""
+
+    def __init__(
+        self, nodes: Sequence[fx.Node], compute_time: Callable[[fx.Node], float],
+        collective_time: Callable[[fx.Node], float], overlap: float = 1.0, issue_cost: float = 0.0,
+    ) -> None:
+        index = {n: i for i, n in enumerate(nodes)}
+        # Per node: (COMM, duration, the caller's share) | (WAIT, its collective's index or -1) | (COMPUTE, seconds).
+        self.steps: list[tuple] = []
+        for n in nodes:
+            if collective_kind(n) is not None:
+                duration = collective_time(n)
+                self.steps.append((_COMM, duration, caller_cost(duration, overlap, issue_cost)))
+            elif is_wait(n):
+                self.steps.append((_WAIT, index.get(n.args[0], -1)))
+            else:
+                self.steps.append((_COMPUTE, compute_time(n)))
+
+    def time(self, order: Sequence[int]) -> float:
+        now = comm = 0.0
+        ends: dict[int, float] = {}
+        steps = self.steps
+        for i in order:
+            step = steps[i]
+            if step[0] == _COMPUTE:
+                now += step[1]
+            elif step[0] == _COMM:
+                comm = max(comm, now) + step[1]
+                ends[i] = comm
+                now += step[2]
+            else:
+                now = max(now, ends.get(step[1], now))
+        return now
+
+
+_COMPUTE, _COMM, _WAIT = range(3)
