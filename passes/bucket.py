@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import operator
 from typing import Any, Callable, Sequence
 
 import torch
@@ -10,6 +11,8 @@ from torch import fx
 from autoshard._compat import c10d
 
 from .graph_utils import (
+    COPY_IN,
+    COPY_OUT,
     GATHERED,
     PARAMS,
     call,
@@ -113,13 +116,18 @@ def _flat_view(graph: fx.Graph, x: fx.Node, shape: list[int]) -> fx.Node:
     return call(graph, aten.view.default, x, shape)
 
 
-def _bucket_gathers(graph: fx.Graph, gathers: list[fx.Node], pos: dict[fx.Node, int], priority: dict[fx.Node, float]) -> None:
+def _bucket_gathers(
+    graph: fx.Graph, gathers: list[fx.Node], pos: dict[fx.Node, int], priority: dict[fx.Node, float], opaque: bool
+) -> None:
     world, group = gathers[0].args[1:]
     inputs = [g.args[0] for g in gathers]
     sizes = [val(x).numel() for x in inputs]
     total = sum(sizes)
     with graph.inserting_before(gathers[0]):
-        flat = call(graph, aten.cat.default, [_flat_view(graph, x, [-1]) for x in inputs])
+        if opaque:
+            flat = call(graph, COPY_IN, inputs, 1)
+        else:
+            flat = call(graph, aten.cat.default, [_flat_view(graph, x, [-1]) for x in inputs])
         gather = call(graph, c10d.all_gather_into_tensor.default, flat, world, group)
         gather.meta[PARAMS] = tuple(name for g in gathers for name in g.meta[PARAMS])
         wait = call(graph, c10d.wait_tensor.default, gather)
@@ -127,6 +135,9 @@ def _bucket_gathers(graph: fx.Graph, gathers: list[fx.Node], pos: dict[fx.Node, 
     start = pos[gathers[0]] - 0.5
     for n in issue_inputs(flat) + [flat, gather]:
         priority[n] = start
+    if opaque:
+        _copy_out(graph, gathers, wait, by_rank, pos, priority)
+        return
     offset = 0
     for g, x, n in zip(gathers, inputs, sizes):
         old_wait = wait_of(g)
@@ -143,12 +154,41 @@ def _bucket_gathers(graph: fx.Graph, gathers: list[fx.Node], pos: dict[fx.Node, 
         graph.erase_node(g)
 
 
-def _bucket_reduces(graph: fx.Graph, reduces: list[fx.Node], pos: dict[fx.Node, int], priority: dict[fx.Node, float]) -> None:
+def _copy_out(
+    graph: fx.Graph, gathers: list[fx.Node], wait: fx.Node, by_rank: fx.Node, pos: dict[fx.Node, int],
+    priority: dict[fx.Node, float],
+) -> None:
+    """Every parameter of the bucket copied out of ``by_rank`` at once, where the first is
+    used, each taken out of the result right there (so the list holds none of them longer)."""
+    world = val(by_rank).shape[0]
+    first_wait = wait_of(gathers[0])
+    with graph.inserting_before(first_wait):
+        parts = call(graph, COPY_OUT, by_rank, world, [val(g.args[0]).numel() for g in gathers])
+        taken = [call(graph, operator.getitem, parts, i) for i in range(len(gathers))]
+    for node in (wait, by_rank, parts, *taken):
+        priority.setdefault(node, pos[first_wait])
+    for g, part in zip(gathers, taken):
+        part.meta[GATHERED] = True
+        old_wait, shape = wait_of(g), val(g.args[0]).shape
+        with graph.inserting_before(old_wait):
+            full = call(graph, aten.view.default, part, [world * shape[0], *shape[1:]])
+        priority.setdefault(full, pos[old_wait])
+        old_wait.replace_all_uses_with(full)
+        graph.erase_node(old_wait)
+        graph.erase_node(g)
+
+
+def _bucket_reduces(
+    graph: fx.Graph, reduces: list[fx.Node], pos: dict[fx.Node, int], priority: dict[fx.Node, float], opaque: bool
+) -> None:
     op, world, group = reduces[0].args[1:]
     last = reduces[-1]
     with graph.inserting_before(last):
-        per_rank = [_flat_view(graph, r.args[0], [world, -1]) for r in reduces]
-        flat = call(graph, aten.view.default, call(graph, aten.cat.default, per_rank, 1), [-1])
+        if opaque:
+            flat = call(graph, COPY_IN, [r.args[0] for r in reduces], world)
+        else:
+            per_rank = [_flat_view(graph, r.args[0], [world, -1]) for r in reduces]
+            flat = call(graph, aten.view.default, call(graph, aten.cat.default, per_rank, 1), [-1])
         reduce = call(graph, c10d.reduce_scatter_tensor.default, flat, op, world, group)
         reduce.meta[PARAMS] = tuple(name for r in reduces for name in r.meta[PARAMS])
         wait = call(graph, c10d.wait_tensor.default, reduce)
@@ -158,11 +198,16 @@ def _bucket_reduces(graph: fx.Graph, reduces: list[fx.Node], pos: dict[fx.Node, 
     _slice_back(graph, wait, reduces, priority, lambda _: pos[wait_of(last)])
 
 
-def _bucket_all_reduces(graph: fx.Graph, reduces: list[fx.Node], pos: dict[fx.Node, int], priority: dict[fx.Node, float]) -> None:
+def _bucket_all_reduces(
+    graph: fx.Graph, reduces: list[fx.Node], pos: dict[fx.Node, int], priority: dict[fx.Node, float], opaque: bool
+) -> None:
     op, group = reduces[0].args[1:]
     last = reduces[-1]
     with graph.inserting_before(last):
-        flat = call(graph, aten.cat.default, [_flat_view(graph, r.args[0], [-1]) for r in reduces])
+        if opaque:
+            flat = call(graph, COPY_IN, [r.args[0] for r in reduces], 1)
+        else:
+            flat = call(graph, aten.cat.default, [_flat_view(graph, r.args[0], [-1]) for r in reduces])
         reduce = call(graph, c10d.all_reduce.default, flat, op, group)
         reduce.meta[PARAMS] = tuple(name for r in reduces for name in r.meta[PARAMS])
         wait = call(graph, c10d.wait_tensor.default, reduce)
@@ -206,7 +251,7 @@ def planned_buckets(graph: fx.Graph, bucket_mb: float | None = None) -> dict[Any
     return {op: plan_buckets([n for n in collectives(graph, op) if PARAMS in n.meta], bucket_bytes) for op in _REWRITES}
 
 
-def bucket_collectives(gm: fx.GraphModule, bucket_mb: float | None = None) -> fx.GraphModule:
+def bucket_collectives(gm: fx.GraphModule, bucket_mb: float | None = None, opaque_copies: bool = False) -> fx.GraphModule:
     """Replace the per-parameter all-gathers, reduce-scatters and all-reduces of a forward or
     backward graph by one flat collective per bucket (see :func:`plan_buckets`).
 
@@ -218,6 +263,13 @@ def bucket_collectives(gm: fx.GraphModule, bucket_mb: float | None = None) -> fx
     use, reduce at end" until a scheduling pass moves it. Copy-out nodes are tagged
     ``meta["autoshard_gathered"]``; the collective's ``meta["autoshard_params"]`` lists its
     parameters.
+
+    ``opaque_copies``: each bucket's copy-in and copy-out is one ``autoshard::copy_in`` /
+    ``autoshard::copy_out`` call (a kernel compiler cannot fuse into, as FSDP2's copies), the
+    copy-out at the bucket's first use with each parameter taken out of its result there
+    (tagged instead). Inductor then compiles the parameters' consumers and the gradients'
+    producers as for the unsharded model, into the same kernels, shared by every block,
+    where a fused copy-out at each bucket's offsets made kernels of their own.
     """
     graph = gm.graph
     pos = positions(graph.nodes)  # priorities refer to the order before any rewrite
@@ -226,7 +278,7 @@ def bucket_collectives(gm: fx.GraphModule, bucket_mb: float | None = None) -> fx
     for op, buckets in planned_buckets(graph, bucket_mb).items():
         for bucket in buckets:
             if len(bucket) > 1:
-                _REWRITES[op](graph, bucket, pos, priority)
+                _REWRITES[op](graph, bucket, pos, priority, opaque_copies)
     for node in graph.nodes:
         priority.setdefault(node, pos.get(node, 0.0))
     return reorder(gm, priority)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import heapq
+import operator
 from typing import Any, Iterable
 
 import torch
@@ -17,6 +18,9 @@ from torch import fx
 
 from autoshard._compat import c10d, fake_from_meta, fake_view, optimization_hint, resolve_process_group, unset_fake_temporarily
 from autoshard.runtime.ops import arguments
+
+# The copies bucketing makes opaque (autoshard/runtime/ops.py): one per bucket, unfusable.
+COPY_IN, COPY_OUT = torch.ops.autoshard.copy_in.default, torch.ops.autoshard.copy_out.default
 
 # node.meta keys the passes share.
 PARAMS = "autoshard_params"  # on a collective: names of the parameters it moves (a tuple)
@@ -65,6 +69,9 @@ def call(graph: fx.Graph, target: Any, *args: Any) -> fx.Node:
     the op's meta kernel, as the fake mode computes it but without its dispatch (a fifth of
     the time); views share their input's storage, as fake views do."""
     node = graph.call_function(target, args)
+    if target is operator.getitem:  # one output of a node that returns several
+        node.meta["val"] = val(args[0])[args[1]]
+        return node
     # map_arg, not a pytree map: it visits only the nodes.
     fake_args = fx.node.map_arg(args, val)
     inputs = [v for v in map(val, node.all_input_nodes) if isinstance(v, torch.Tensor)]
@@ -196,15 +203,18 @@ def outputs_of(wait: fx.Node) -> set[fx.Node]:
         node = todo.pop()
         if node not in found:
             found.add(node)
-            todo.extend(u for u in node.users if is_view(u) or u.meta.get(GATHERED))
+            todo.extend(u for u in node.users if is_view(u) or u.meta.get(GATHERED) or u.target is COPY_OUT)
     return found
 
 
-_COPY_OPS = (torch.ops.aten.constant_pad_nd.default, torch.ops.aten.cat.default, torch.ops.aten.clone.default)
+_COPY_OPS = (torch.ops.aten.constant_pad_nd.default, torch.ops.aten.cat.default, torch.ops.aten.clone.default, COPY_IN, COPY_OUT)
 
 
 def is_copy(node: fx.Node) -> bool:
-    """Data movement only: a view, pad, concatenation or copy."""
+    """Data movement only: a view, pad, concatenation or copy (a bucket's opaque copies and
+    the parameters taken out of a copy-out too)."""
+    if node.op == "call_function" and node.target is operator.getitem:
+        return node.args[0].target is COPY_OUT
     return is_view(node) or (node.op == "call_function" and node.target in _COPY_OPS)
 
 

@@ -16,7 +16,7 @@ from torch import fx
 
 from autoshard._compat import c10d
 
-from .graph_utils import collective_kind, is_view, is_wait, nbytes, out_buffer
+from .graph_utils import COPY_OUT, collective_kind, is_view, is_wait, nbytes, out_buffer
 
 Workspace = Callable[[fx.Node], int]  # bytes a collective holds besides its input and output, issue to wait
 
@@ -40,10 +40,12 @@ def _aliases(node: fx.Node) -> bool:
     # Nodes that return (part of) an existing storage instead of allocating one. A pad counts
     # as one too, sized as its output: it pads zero rows where a rank's shard is full and more
     # where it is short, and every rank must price the graph alike (they must reach one plan).
+    if node.op == "call_function" and node.target is operator.getitem:
+        return node.args[0].target is not COPY_OUT  # a copy-out's parts are new tensors
     return (
         is_view(node, hidden=True)
         or is_wait(node)
-        or (node.op == "call_function" and node.target in (operator.getitem, torch.ops.aten.constant_pad_nd.default))
+        or (node.op == "call_function" and node.target is torch.ops.aten.constant_pad_nd.default)
     )
 
 
@@ -73,7 +75,9 @@ def release_points(order: Sequence[fx.Node], late: Collection[str] = ()) -> dict
 
 class Storages:
     """Which storage each node of a graph uses and how large each is: the part of
-    :func:`peak_bytes` that no order changes, computed once for a search over many orders."""
+    :func:`peak_bytes` that no order changes, computed once for a search over many orders.
+    A bucket's copy-out returns a list of new tensors: each taken out of it is a storage of
+    its own (freed after its own last use), the list none."""
 
     def __init__(self, nodes: Sequence[fx.Node]) -> None:
         self.root: dict[fx.Node, fx.Node] = {}  # node -> the node whose storage it uses
@@ -83,7 +87,7 @@ class Storages:
         self.size: dict[fx.Node, int] = {}  # a storage's bytes: the largest of its aliases (a pad's output)
         for n in nodes:
             r = self.root[n]
-            self.size[r] = max(self.size.get(r, 0), nbytes(n))
+            self.size[r] = max(self.size.get(r, 0), 0 if n.op == "call_function" and n.target is COPY_OUT else nbytes(n))
 
 
 def peak_bytes(

@@ -41,7 +41,7 @@ from autoshard.passes import (
     reductions_by_exchange,
     schedule_overlap,
 )
-from autoshard.passes.graph_utils import PARAMS, collective_kind, is_op, nbytes
+from autoshard.passes.graph_utils import COPY_IN, COPY_OUT, GATHERED, PARAMS, collective_kind, is_op, nbytes
 from autoshard.passes.schedule import PLAN, SchedulePlan
 from autoshard.passes.step_model import Storages, peak_bytes, release_points, step_time
 
@@ -298,6 +298,28 @@ def test_bucket_size_cap_splits_a_bucket(drawing):
              ag(2.w+2.b) wait(2.w+2.b) mm ag(norm.w+norm.b) wait(norm.w+norm.b) ln
     """
     assert events(bucket_collectives(stage(Stack, "forward"), bucket_mb=288 / 2**20)) == drawing("after")
+
+
+@pytest.mark.parametrize("side", ["forward", "backward"])
+def test_opaque_copies_bucket_alike_with_one_copy_in_and_one_copy_out_per_bucket(side):
+    """With ``opaque_copies`` the same collectives sit at the same places. Each bucket's
+    copy-in is one copy_in call (a reduce-scatter's lays out one row per rank) and its
+    copy-out one copy_out call, from which each parameter is taken right away: for the step
+    model a storage of its own, tagged gathered (the list holds none)."""
+    fused, opaque = bucket_collectives(stage(Stack, side)), bucket_collectives(stage(Stack, side), opaque_copies=True)
+    assert events(opaque) == events(fused)
+    nodes = [n for n in opaque.graph.nodes if n.op != "output"]
+    buckets = [n for n in nodes if collective_kind(n) is not None and len(n.meta[PARAMS]) > 1]
+    assert buckets and all(b.args[0].target is COPY_IN for b in buckets)
+    assert [b.args[0].args[1] for b in buckets] == [WORLD if collective_kind(b) == "reduce_scatter" else 1 for b in buckets]
+    copy_outs = [n for n in nodes if n.target is COPY_OUT]
+    assert len(copy_outs) == sum(collective_kind(b) == "all_gather" for b in buckets)
+    storages = Storages(nodes)
+    for out in copy_outs:
+        parts = list(out.users)
+        assert storages.size[out] == 0 and all(storages.root[p] is p and p.meta[GATHERED] for p in parts)
+        assert sum(storages.size[p] for p in parts) == nbytes(out.args[0])  # every gathered byte, copied once
+    assert not any(n.target in (torch.ops.aten.cat.default, torch.ops.aten.clone.default) for n in nodes)
 
 
 # schedule_overlap (bucketed forward / backward) ---------------------------------------------

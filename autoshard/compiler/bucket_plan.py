@@ -77,13 +77,13 @@ class _Trial(fx.GraphModule):
         return None
 
 
-def _bucketed(gm: fx.GraphModule, bucket_mb: float | None) -> fx.GraphModule:
+def _bucketed(gm: fx.GraphModule, bucket_mb: float | None, opaque_copies: bool) -> fx.GraphModule:
     # A copy sharing the nodes' values (a deep copy would copy every fake tensor).
-    return bucket_collectives(_Trial(gm, copy_graph(gm.graph)), bucket_mb)
+    return bucket_collectives(_Trial(gm, copy_graph(gm.graph)), bucket_mb, opaque_copies)
 
 
-def _trial(gm: fx.GraphModule, bucket_mb: float | None, schedule: Schedule, budget: int | None) -> fx.GraphModule:
-    trial = _bucketed(gm, bucket_mb)
+def _trial(gm: fx.GraphModule, bucket_mb: float | None, schedule: Schedule, budget: int | None, opaque_copies: bool) -> fx.GraphModule:
+    trial = _bucketed(gm, bucket_mb, opaque_copies)
     schedule(trial, budget)
     return trial
 
@@ -91,7 +91,9 @@ def _trial(gm: fx.GraphModule, bucket_mb: float | None, schedule: Schedule, budg
 Choice = tuple["float | None", "SchedulePlan | None", fx.GraphModule]
 
 
-def choose_bucket_mb(gm: fx.GraphModule, schedule: Schedule, budget: int | None, timing: Timing | None = None) -> Choice:
+def choose_bucket_mb(
+    gm: fx.GraphModule, schedule: Schedule, budget: int | None, timing: Timing | None = None, opaque_copies: bool = False
+) -> Choice:
     """(bucket cap in MiB, None for block buckets; the schedule's plan for it; ``gm``'s
     graph bucketed at that cap, in its order before scheduling) for a lowered graph.
     ``budget``: the user's, or None for the default (FSDP2's peak on the block buckets: a
@@ -100,15 +102,16 @@ def choose_bucket_mb(gm: fx.GraphModule, schedule: Schedule, budget: int | None,
     default always has a plan (block buckets, as close to FSDP2's peak as they come). The
     plan is the one to schedule the bucketed graph with (no second search). ``gm`` is left
     as it is. ``timing``: how ``schedule`` prices graphs; with it, a split that
-    :func:`step_time_floor` rules out is not tried (the choice is the same)."""
+    :func:`step_time_floor` rules out is not tried (the choice is the same).
+    ``opaque_copies``: as :func:`bucket_collectives` takes it."""
     default = budget is None
     plan: SchedulePlan | None = None
     try:
-        blocks = _trial(gm, None, schedule, budget)
+        blocks = _trial(gm, None, schedule, budget, opaque_copies)
     except ValueError:
         if budget is None:
             raise
-        blocks = _bucketed(gm, None)
+        blocks = _bucketed(gm, None, opaque_copies)
     else:
         plan = blocks.meta[PLAN]
         if not plan.forced:  # the fastest plan fits: nothing to gain from splitting
@@ -122,7 +125,7 @@ def choose_bucket_mb(gm: fx.GraphModule, schedule: Schedule, budget: int | None,
         if timing is not None and fitting and step_time_floor(gm, mb, timing) > min(c[1].step_time for c in fitting) * (1 + TIES):
             continue  # slower than a fitting candidate beyond ties, whatever its order: never chosen
         try:
-            trial = _trial(gm, mb, schedule, budget)
+            trial = _trial(gm, mb, schedule, budget, opaque_copies)
             fitting.append((mb, trial.meta[PLAN], trial))
         except ValueError as e:
             error = e

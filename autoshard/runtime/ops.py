@@ -207,3 +207,31 @@ def _replicate_backward(ctx, grad):
 
 REPLICATE, _ALL_REDUCE_GRAD = torch.ops.autoshard.replicate.default, torch.ops.autoshard.all_reduce_grad.default
 replicate.register_autograd(_replicate_backward, setup_context=_replicate_setup)
+
+
+@torch.library.custom_op("autoshard::copy_out", mutates_args=())
+def copy_out(gathered: torch.Tensor, world_size: int, numels: list[int]) -> list[torch.Tensor]:
+    """Each parameter's part of a bucket's gathered result (rank-major: ``world_size`` rows of
+    ``sum(numels)``) as its own contiguous ``[world_size, numel]`` tensor: one copy per bucket,
+    as FSDP2's ``split_with_sizes_copy``, and an opaque one, so a compiler gives the
+    parameters' consumers ordinary inputs."""
+    return list(torch.split_with_sizes_copy(gathered.view(world_size, -1), numels, dim=1))
+
+
+@copy_out.register_fake
+def _(gathered, world_size, numels):
+    return [gathered.new_empty((world_size, n)) for n in numels]
+
+
+@torch.library.custom_op("autoshard::copy_in", mutates_args=())
+def copy_in(parts: list[torch.Tensor], rows: int) -> torch.Tensor:
+    """A bucket's collective input: each part laid out as ``rows`` rows, the parts side by
+    side, flattened (rows 1: the shards one after another, for a gather; rows ``world_size``:
+    each rank's chunk of every gradient together, for a reduce-scatter). One copy per bucket,
+    opaque, so a compiler gives the parts' producers ordinary outputs."""
+    return torch.cat([p.reshape(rows, -1) for p in parts], dim=1).view(-1)
+
+
+@copy_in.register_fake
+def _(parts, rows):
+    return parts[0].new_empty((sum(p.numel() for p in parts),))
