@@ -265,11 +265,12 @@ def bucket_collectives(gm: fx.GraphModule, bucket_mb: float | None = None, opaqu
     parameters.
 
     ``opaque_copies``: each bucket's copy-in and copy-out is one ``autoshard::copy_in`` /
-    ``autoshard::copy_out`` call (a kernel compiler cannot fuse into, as FSDP2's copies), the
-    copy-out at the bucket's first use with each parameter taken out of its result there
-    (tagged instead). Inductor then compiles the parameters' consumers and the gradients'
-    producers as for the unsharded model, into the same kernels, shared by every block,
-    where a fused copy-out at each bucket's offsets made kernels of their own.
+    ``autoshard::copy_out`` call, which a kernel compiler cannot fuse (FSDP2 copies alike).
+    The copy-out sits at the bucket's first use, and each parameter is taken out of its
+    result right there (those ``getitem`` nodes carry the tag). Inductor then compiles the
+    parameters' consumers and the gradients' producers as for the unsharded model, into the
+    same kernels for every block; fused, the copies at each bucket's offsets made kernels of
+    their own.
     """
     graph = gm.graph
     pos = positions(graph.nodes)  # priorities refer to the order before any rewrite
