@@ -95,7 +95,13 @@ def is_op(node: fx.Node, op: Any) -> bool:
 def arg(node: fx.Node, name: str) -> Any:
     """The argument ``name`` of an OpOverload call, by the op's schema: positional, keyword or
     its default. Passes read arguments this way, never by position."""
-    return arguments(node.target, node.args, node.kwargs)[name]
+    return named_args(node)[name]
+
+
+def named_args(node: fx.Node) -> dict[str, Any]:
+    """Every argument of an OpOverload call by name (see :func:`arg`), for a pass that reads
+    several: the schema is walked once."""
+    return arguments(node.target, node.args, node.kwargs)
 
 
 def is_view(node: fx.Node, *, hidden: bool = False) -> bool:

@@ -7,7 +7,7 @@ from torch import fx
 from autoshard._compat import c10d, must_recompute
 from autoshard.runtime.ops import chunk_rows
 
-from .graph_utils import PARAMS, arg, call, is_op, is_view, val
+from .graph_utils import PARAMS, arg, call, is_op, is_view, named_args, val
 
 aten = torch.ops.aten
 annotations = torch.ops.autoshard
@@ -51,8 +51,9 @@ def _all_reduce(graph: fx.Graph, x: fx.Node, group: str, name: str) -> fx.Node:
 
 
 def _lower_unshard(graph: fx.Graph, node: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
-    shard, group, world, dim0, name = (arg(node, a) for a in ("shard", "group_name", "world_size", "dim0", "name"))
-    cast = _cast(graph, shard, arg(node, "param_dtype"))  # on the shard: the gather moves the low precision
+    a = named_args(node)
+    shard, group, world, dim0, name = a["shard"], a["group_name"], a["world_size"], a["dim0"], a["name"]
+    cast = _cast(graph, shard, a["param_dtype"])  # on the shard: the gather moves the low precision
     if world == 1:
         return cast, [cast] if cast is not shard else []
     padded = _pad_rows(graph, cast, chunk_rows(dim0, world), always=_uneven(dim0, world))
@@ -64,27 +65,28 @@ def _lower_unshard(graph: fx.Graph, node: fx.Node) -> tuple[fx.Node, list[fx.Nod
 
 
 def _lower_reduce_grad(graph: fx.Graph, node: fx.Node) -> fx.Node:
-    group, world, name = arg(node, "group_name"), arg(node, "world_size"), arg(node, "name")
-    grad = _cast(graph, arg(node, "grad"), arg(node, "reduce_dtype"))
+    a = named_args(node)
+    group, world, name = a["group_name"], a["world_size"], a["name"]
+    grad = _cast(graph, a["grad"], a["reduce_dtype"])
     uneven = world > 1 and _uneven(val(grad).shape[0], world)
     if world > 1:
         padded = _pad_rows(graph, grad, chunk_rows(val(grad).shape[0], world) * world)
         reduce = call(graph, c10d.reduce_scatter_tensor.default, padded, "avg", world, group)
         reduce.meta[PARAMS] = (name,)
         grad = call(graph, c10d.wait_tensor.default, reduce)
-    if arg(node, "replicas") > 1:  # on the padded shard: the same shape on every rank
-        grad = _all_reduce(graph, grad, arg(node, "replica_group"), name)
-    return _cast(graph, _take_rows(graph, grad, arg(node, "shard_rows"), always=uneven), arg(node, "out_dtype"))
+    if a["replicas"] > 1:  # on the padded shard: the same shape on every rank
+        grad = _all_reduce(graph, grad, a["replica_group"], name)
+    return _cast(graph, _take_rows(graph, grad, a["shard_rows"], always=uneven), a["out_dtype"])
 
 
 def _lower_all_reduce_grad(graph: fx.Graph, node: fx.Node) -> fx.Node:
-    name = arg(node, "name")
-    grad = _cast(graph, arg(node, "grad"), arg(node, "reduce_dtype"))
-    if arg(node, "world_size") > 1:
-        grad = _all_reduce(graph, grad, arg(node, "group_name"), name)
-    if arg(node, "replicas") > 1:
-        grad = _all_reduce(graph, grad, arg(node, "replica_group"), name)
-    return _cast(graph, grad, arg(node, "out_dtype"))
+    a = named_args(node)
+    grad = _cast(graph, a["grad"], a["reduce_dtype"])
+    if a["world_size"] > 1:
+        grad = _all_reduce(graph, grad, a["group_name"], a["name"])
+    if a["replicas"] > 1:
+        grad = _all_reduce(graph, grad, a["replica_group"], a["name"])
+    return _cast(graph, grad, a["out_dtype"])
 
 
 def _view_chain(node: fx.Node) -> list[fx.Node]:
