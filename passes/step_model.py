@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import bisect
 import operator
-from typing import Callable, Collection, Sequence
+from typing import Any, Callable, Collection, Sequence
 
 import torch
 from torch import fx
@@ -61,16 +61,8 @@ def release_points(order: Sequence[fx.Node], late: Collection[str] = ()) -> dict
     wait, or for the collective kinds in ``late`` the next collective issued after it (gloo
     drops a finished reduction's copy of its input on its own thread, which may be after the
     wait has returned; the next issue is as long as this model lets it linger)."""
-    pos = {n: i for i, n in enumerate(order)}
-    issues = [i for i, n in enumerate(order) if collective_kind(n) is not None]
-    points = {}
-    for i in issues:
-        wait = next((u for u in order[i].users if is_wait(u) and u in pos), None)
-        at = pos[wait] if wait is not None else len(order)
-        if collective_kind(order[i]) in late and wait is not None:
-            at = linger(issues, at)
-        points[order[i]] = at
-    return points
+    release = PeakModel(order, late_release=late).release(list(range(len(order))), len(order))
+    return {order[c]: at for c, at in release.items()}
 
 
 class Storages:
@@ -90,17 +82,16 @@ class Storages:
             self.size[r] = max(self.size.get(r, 0), 0 if n.op == "call_function" and n.target is COPY_OUT else nbytes(n))
 
 
-def peak_bytes(
-    order: Sequence[fx.Node],
-    workspace: Workspace = no_workspace,
-    pin_inputs: bool = True,
-    held_outside: Collection[fx.Node] = (),
-    late_release: Collection[str] = (),
-    input_copied: Callable[[fx.Node], bool] = never,
-    output_at_wait: Collection[str] = (),
-    storages: Storages | None = None,
-) -> tuple[int, int]:
-    """(peak live bytes, position of the peak) of the graph run in ``order``.
+def peak_bytes(order: Sequence[fx.Node], workspace: Workspace = no_workspace, **options: Any) -> tuple[int, int]:
+    """(peak live bytes, position of the peak) of the graph run in ``order``; ``workspace``
+    and ``options`` as :class:`PeakModel` takes them."""
+    return PeakModel(order, workspace, **options).peak(list(range(len(order))))
+
+
+class PeakModel:
+    """The peak live bytes of many orders of the same nodes (a schedule search; one order:
+    :func:`peak_bytes`): what no order changes (storages, sizes, inputs, waits, workspaces) is
+    read once, as indices into ``nodes``; :meth:`peak` takes an order as a permutation of them.
 
     A storage is allocated when its node runs and freed after the last use of it or of any
     alias (views, getitem, waits alias their input); a collective's input also lives until
@@ -116,14 +107,6 @@ def peak_bytes(
     the graph runs in place and then copies its chunk from, passes/gloo.py), not at the issue.
     ``storages``: :class:`Storages` of these nodes, when the caller prices many orders of them.
     """
-    model = PeakModel(order, workspace, pin_inputs, held_outside, late_release, input_copied, output_at_wait, storages)
-    return model.peak(list(range(len(order))))
-
-
-class PeakModel:
-    """:func:`peak_bytes` of many orders of the same nodes (a schedule search): what no order
-    changes (storages, sizes, inputs, waits, workspaces) is read once, as indices into
-    ``nodes``; :meth:`peak` takes an order as a permutation of those indices."""
 
     def __init__(
         self,
@@ -159,18 +142,24 @@ class PeakModel:
         output = self.nodes[0].graph.output_node() if self.nodes else None
         self.live_to_end = [r for r in map(rooted, output.all_input_nodes) if r >= 0] if output is not None else []
 
-    def peak(self, order: Sequence[int]) -> tuple[int, int]:
-        """(peak live bytes, position of the peak in ``order``)."""
-        end = len(order)
-        pos = [0] * len(self.nodes)
-        for p, i in enumerate(order):
-            pos[i] = p
+    def release(self, pos: Sequence[int], end: int) -> dict[int, int]:
+        """Collective index -> where its input and workspace are released (see
+        :func:`release_points`), each node at ``pos[index]`` of an order of ``end`` nodes."""
         issues = sorted(pos[c] for c in self.collectives)
         release = {}
         for c in self.collectives:
             w = self.wait[c]
             at = pos[w] if w >= 0 else end
             release[c] = linger(issues, at) if c in self.late and w >= 0 else at
+        return release
+
+    def peak(self, order: Sequence[int]) -> tuple[int, int]:
+        """(peak live bytes, position of the peak in ``order``)."""
+        end = len(order)
+        pos = [0] * len(self.nodes)
+        for p, i in enumerate(order):
+            pos[i] = p
+        release = self.release(pos, end)
         last = [-1] * len(self.nodes)
         for i, inputs in enumerate(self.inputs):
             p = pos[i]
