@@ -216,12 +216,15 @@ def outputs_of(wait: fx.Node) -> set[fx.Node]:
 _COPY_OPS = (torch.ops.aten.constant_pad_nd.default, torch.ops.aten.cat.default, torch.ops.aten.clone.default, COPY_IN, COPY_OUT)
 
 
+def taken_from_copy_out(node: fx.Node) -> bool:
+    """One parameter taken out of a bucket's copy-out: a new tensor, not a view of the list."""
+    return node.op == "call_function" and node.target is operator.getitem and node.args[0].target is COPY_OUT
+
+
 def is_copy(node: fx.Node) -> bool:
     """Data movement only: a view, pad, concatenation or copy (a bucket's opaque copies and
     the parameters taken out of a copy-out too)."""
-    if node.op == "call_function" and node.target is operator.getitem:
-        return node.args[0].target is COPY_OUT
-    return is_view(node) or (node.op == "call_function" and node.target in _COPY_OPS)
+    return taken_from_copy_out(node) or is_view(node) or (node.op == "call_function" and node.target in _COPY_OPS)
 
 
 def exclusive_inputs(node: fx.Node) -> list[fx.Node]:

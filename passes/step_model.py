@@ -16,7 +16,7 @@ from torch import fx
 
 from autoshard._compat import c10d
 
-from .graph_utils import COPY_OUT, collective_kind, is_view, is_wait, nbytes, out_buffer
+from .graph_utils import COPY_OUT, collective_kind, is_view, is_wait, nbytes, out_buffer, taken_from_copy_out
 
 Workspace = Callable[[fx.Node], int]  # bytes a collective holds besides its input and output, issue to wait
 
@@ -40,12 +40,12 @@ def _aliases(node: fx.Node) -> bool:
     # Nodes that return (part of) an existing storage instead of allocating one. A pad counts
     # as one too, sized as its output: it pads zero rows where a rank's shard is full and more
     # where it is short, and every rank must price the graph alike (they must reach one plan).
-    if node.op == "call_function" and node.target is operator.getitem:
-        return node.args[0].target is not COPY_OUT  # a copy-out's parts are new tensors
+    if taken_from_copy_out(node):  # a copy-out's parts are new tensors
+        return False
     return (
         is_view(node, hidden=True)
         or is_wait(node)
-        or (node.op == "call_function" and node.target is torch.ops.aten.constant_pad_nd.default)
+        or (node.op == "call_function" and node.target in (operator.getitem, torch.ops.aten.constant_pad_nd.default))
     )
 
 
