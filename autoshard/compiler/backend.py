@@ -49,21 +49,22 @@ KEEP_ORDER = {
 
 @contextlib.contextmanager
 def _collector_paused() -> Iterator[None]:
-    """Inside, Python's cycle collector ignores every object that existed on entry.
+    """Inside, Python's cycle collector does not run; on exit it runs as before.
 
-    A compile holds hundreds of thousands of objects (graphs, nodes, fake tensors), and each
-    full collection scans them all: a third of a 16-layer compile went to collections that
-    found little. Objects made inside are still collected; those from before are given back
-    to the collector on exit. Nested calls, and processes that froze objects themselves (for
-    fork), are left as they are."""
-    if gc.get_freeze_count():
+    A compile makes hundreds of thousands of objects (graphs, nodes, fake tensors) and frees
+    few of them in cycles, so collections find little, yet they scan every object still
+    alive: ~1 s of a 48-layer aot_eager compile went to them even with the older objects
+    frozen out (gc.freeze). What a compile leaves in cycles waits for the first collection
+    after it (+34 MiB, 6%, peak RSS at 48 layers). Nested calls, and processes that turned the
+    collector off themselves, are left as they are."""
+    if not gc.isenabled():
         yield
         return
-    gc.freeze()
+    gc.disable()
     try:
         yield
     finally:
-        gc.unfreeze()
+        gc.enable()
 
 
 @contextlib.contextmanager
