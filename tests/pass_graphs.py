@@ -17,7 +17,6 @@ from __future__ import annotations
 import copy
 import re
 import warnings
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +26,7 @@ from autoshard._compat import c10d
 from autoshard.passes import (
     bucket_collectives,
 )
-from autoshard.passes.graph_utils import PARAMS, is_op
+from autoshard.passes.graph_utils import PARAMS, arg, is_op
 
 from fake_pg import compile_step
 
@@ -82,14 +81,6 @@ def stage(model: type[nn.Module], name: str, rank: int = 0) -> fx.GraphModule:
     with warnings.catch_warnings():  # copying pytree specs warns of a deprecation inside torch
         warnings.simplefilter("ignore", FutureWarning)
         return fx.GraphModule(gm, copy.deepcopy(gm.graph))  # passes work in place; node meta (fake values) is kept
-
-
-def arg(node: fx.Node, name: str) -> Any:
-    """Argument ``name`` of an op call, found through the op's schema."""
-    for i, a in enumerate(node.target._schema.arguments):
-        if a.name == name:
-            return node.args[i] if i < len(node.args) else node.kwargs.get(name, a.default_value)
-    raise KeyError(name)
 
 
 def _short(name: str) -> str:

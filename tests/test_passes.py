@@ -13,10 +13,10 @@ from torch import fx
 
 from autoshard._compat import c10d, recompute_region
 from autoshard.passes import bucket_collectives, lower_annotations, merge_shared_parameters
-from autoshard.passes.graph_utils import COPY_IN, COPY_OUT, GATHERED, PARAMS, collective_kind, is_op, nbytes
+from autoshard.passes.graph_utils import COPY_IN, COPY_OUT, GATHERED, PARAMS, arg, collective_kind, is_op, nbytes
 from autoshard.passes.step_model import Storages
 
-from pass_graphs import WORLD, Stack, Tied, arg, events, gathers, label, policies, stage
+from pass_graphs import WORLD, Stack, Tied, events, gathers, label, policies, stage
 
 # merge_shared_parameters (joint graph, before lowering) ----------------------------------
 
