@@ -18,7 +18,9 @@ import torch._inductor.fx_passes.overlap_scheduling as overlap_scheduling
 import torch.utils._runtime_estimation as runtime_estimation
 from torch._dispatch.python import no_python_dispatcher
 from torch._dynamo import lookup_backend
+from torch._guards import detect_fake_mode
 from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.symbolic_convert import InstructionTranslator
 from torch._dynamo.utils import counters as dynamo_counters
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.compile_fx import compile_fx, compile_fx_inner
@@ -43,6 +45,9 @@ __all__ = [
     "overlap_scheduler_state",
     "schedule_overlap_bucketing",
     "default_store",
+    "detect_fake_mode",
+    "BACKEND_MARK",
+    "tracing_for_backend",
     "resolve_process_group",
     "run_and_get_code",
     "aot_autograd",
@@ -107,6 +112,25 @@ def fake_view(fake_mode: FakeTensorMode, target: Any, args: tuple, device: torch
     with in_kernel_invocation_manager(fake_mode):
         out = target(*args)
     return FakeTensor(fake_mode, out, device)
+
+
+BACKEND_MARK = "_autoshard_backend"  # an attribute set on autoshard's backend function
+
+# Where Dynamo's wrappers of a backend (torch.compile's, its debug wrapper, functools.partial,
+# functools.wraps) keep what they wrap.
+_WRAPPED = ("_torchdynamo_orig_backend", "compiler_fn", "__wrapped__", "func")
+
+
+def tracing_for_backend() -> bool:
+    """Called for real while Dynamo traces (from an ``assume_constant_result`` function):
+    whether the graph will be handed to the backend marked with :data:`BACKEND_MARK`."""
+    tx = getattr(InstructionTranslator, "current_tx", lambda: None)()
+    fn = getattr(getattr(tx, "output", None), "compiler_fn", None)
+    for _ in range(16):
+        if fn is None or getattr(fn, BACKEND_MARK, False):
+            return fn is not None
+        fn = next((w for w in (getattr(fn, a, None) for a in _WRAPPED) if w is not None and w is not fn), None)
+    return False
 
 
 def register_backend(fn, name: str) -> None:

@@ -2,7 +2,7 @@
 
 Installed as ``autoshard.passes``. Their order, stages and schedules are declared in
 ``autoshard/compiler/pipeline.py``; in short: on the joint forward+backward graph,
-merge_shared_parameters then lower_annotations; on each
+unbatch_annotations, merge_shared_parameters then lower_annotations; on each
 partitioned graph, bucket_collectives then schedule_overlap (or PyTorch's own scheduler,
 inductor_schedule, as a baseline), then over gloo gathers_into_buffers and, for graphs run
 op by op, reductions_by_exchange and free_collective_buffers.
@@ -13,6 +13,7 @@ from .inductor_schedule import inductor_schedule
 from .lower import lower_annotations
 from .merge_shared import merge_shared_parameters
 from .schedule import schedule_overlap
+from .unbatch import unbatch_annotations
 
 __all__ = [
     "bucket_collectives",
@@ -26,4 +27,5 @@ __all__ = [
     "plan_buckets",
     "reductions_by_exchange",
     "schedule_overlap",
+    "unbatch_annotations",
 ]

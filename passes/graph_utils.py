@@ -2,7 +2,7 @@
 fake values, reading op arguments by name, recognising collectives and views, counting bytes,
 looking up process groups, and reordering a graph by priorities.
 
-Imports nothing from autoshard but ``_compat`` and ``ops`` (neither imports back), so the cost
+Imports nothing from autoshard but ``_compat``, ``ops`` and ``batched`` (none imports back), so the cost
 model, the simulator and the report can use it without an import cycle.
 """
 from __future__ import annotations
@@ -10,13 +10,14 @@ from __future__ import annotations
 import functools
 import heapq
 import operator
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
 from torch import fx
 
 from autoshard._compat import c10d, fake_from_meta, fake_view, optimization_hint, resolve_process_group, unset_fake_temporarily
+from autoshard.runtime.batched import calls_of
 from autoshard.runtime.ops import arguments
 
 # The copies bucketing makes opaque (autoshard/runtime/ops.py): one per bucket, unfusable.
@@ -102,6 +103,18 @@ def named_args(node: fx.Node) -> dict[str, Any]:
     """Every argument of an OpOverload call by name (see :func:`arg`), for a pass that reads
     several: the schema is walked once."""
     return arguments(node.target, node.args, node.kwargs)
+
+
+def parameter_reads(graph: fx.Graph) -> Iterator[tuple[Any, dict[str, Any]]]:
+    """Each parameter annotation of ``graph``: (``unshard`` or ``replicate``, its arguments by
+    name), also those an ``unshard_all`` holds (autoshard/runtime/batched.py)."""
+    for node in graph.nodes:
+        if is_op(node, torch.ops.autoshard.unshard) or is_op(node, torch.ops.autoshard.replicate):
+            yield node.target, named_args(node)
+        elif is_op(node, torch.ops.autoshard.unshard_all):
+            a = named_args(node)
+            for tensor, (op, rest) in zip(a["tensors"], calls_of(a["key"])):
+                yield op, arguments(op, (tensor, *rest))
 
 
 def is_view(node: fx.Node, *, hidden: bool = False) -> bool:

@@ -17,6 +17,8 @@ from __future__ import annotations
 import copy
 import re
 import warnings
+from contextlib import nullcontext
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -68,14 +70,18 @@ class Tied(nn.Module):
 _compiled: dict[tuple, dict[str, fx.GraphModule]] = {}
 
 
-def stage(model: type[nn.Module], name: str, rank: int = 0) -> fx.GraphModule:
+def stage(model: type[nn.Module], name: str, rank: int = 0, per_use: bool = False) -> fx.GraphModule:
     """A copy of stage ``name`` (``joint``, ``lowered``, ``forward``, ``backward``) of ``model``'s graph,
-    compiled once per (model, rank) with schedule "none"."""
-    key = (model, rank)
+    compiled once per (model, rank, per_use) with schedule "none". ``per_use``: parameters read
+    through one annotation op per use, not as ghosts (as by a module compiled without its
+    sharded root)."""
+    key = (model, rank, per_use)
     if key not in _compiled:
         torch.manual_seed(0)
-        step = compile_step(model, lambda: (torch.randn(2, 8), torch.randn(2, 8 if model is Tied else 6)),
-                            world_size=WORLD, rank=rank, options={"schedule": "none"})
+        reads = mock.patch("autoshard.runtime.leaves.tracing_for_backend", return_value=False) if per_use else nullcontext()
+        with reads:
+            step = compile_step(model, lambda: (torch.randn(2, 8), torch.randn(2, 8 if model is Tied else 6)),
+                                world_size=WORLD, rank=rank, options={"schedule": "none"})
         (_compiled[key],) = step.graphs.compiled
     gm = _compiled[key][name]
     with warnings.catch_warnings():  # copying pytree specs warns of a deprecation inside torch

@@ -47,7 +47,8 @@ def test_the_report_lists_every_stage_as_python(report):
         ("lowered", "backward_bucketed"), ("backward_bucketed", "backward"),
     ]
     lower, fw_bucket, fw_schedule = report.passes[1], report.passes[2], report.passes[3]
-    assert lower.added["_c10d_functional.all_gather_into_tensor.default"] == lower.removed["autoshard.unshard.default"] - 1  # tied: once
+    # Tied weights: one ghost, so one gather (merging had nothing to merge).
+    assert lower.added["_c10d_functional.all_gather_into_tensor.default"] == lower.removed["autoshard.unshard.default"]
     n, params = fw_bucket.collectives["all_gather"]
     assert n < params == report.metrics["sharded_tensors"]  # buckets formed
     assert fw_schedule.added == fw_schedule.removed == {} and fw_schedule.moved > 0  # the schedule only reorders
@@ -139,8 +140,8 @@ def test_the_page_carries_the_final_stages_compact_with_repeated_blocks_folded()
     tokens = torch.zeros(1, 64, dtype=torch.long)
     deep = autoshard.explain(lambda: build_model(n_layer=6), tokens, tokens, world_size=8, profile="h100")
     page = deep.html()
-    full = sum(len(deep.code(s)) for s in deep.stages)
-    assert len(page) < full / 4  # was more than all stages' code
+    final = len(deep.code("forward")) + len(deep.code("backward"))
+    assert len(page) < final  # the final stages folded, and the rest (it once held every stage's code)
     for stage in ("captured", "joint", "lowered"):
         assert f"{stage} ({len(deep.stages[stage].graph.nodes)} nodes)" in page  # named, not printed
     assert "torch.ops.autoshard.unshard" not in page  # the captured graph's annotations

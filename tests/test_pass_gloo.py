@@ -117,8 +117,8 @@ def test_reduce_scatters_over_gloo_become_all_to_alls_and_a_mean_over_ranks(draw
     ranks after the wait takes the old result's place; the graph then frees the bucket and
     what it received.
 
-    before: rs(norm.b+norm.w+2.b+2.w) rs(1.b+1.w) wait(norm.b+norm.w+2.b+2.w) rs(0.b+0.w) wait(1.b+1.w) wait(0.b+0.w)
-    after:  a2a(norm.b+norm.w+2.b+2.w) a2a(1.b+1.w) wait(norm.b+norm.w+2.b+2.w) a2a(0.b+0.w) wait(1.b+1.w)
+    before: rs(norm.w+norm.b+2.b+2.w) rs(1.b+1.w) wait(norm.w+norm.b+2.b+2.w) rs(0.b+0.w) wait(1.b+1.w) wait(0.b+0.w)
+    after:  a2a(norm.w+norm.b+2.b+2.w) a2a(1.b+1.w) wait(norm.w+norm.b+2.b+2.w) a2a(0.b+0.w) wait(1.b+1.w)
             wait(0.b+0.w)
     """
     backward = bucketed("backward")

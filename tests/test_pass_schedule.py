@@ -79,17 +79,17 @@ def test_schedule_issues_reductions_early_and_waits_buckets_later(in_flight, dra
     FSDP2 eager's blocking collectives on CPU); re-gathers are prefetched.
 
     before:  ag(norm.w+norm.b+2.w) wait(norm.w+norm.b+2.w) ln_bw mm mm
-             rs(norm.b+norm.w+2.b+2.w) wait(norm.b+norm.w+2.b+2.w)
+             rs(norm.w+norm.b+2.b+2.w) wait(norm.w+norm.b+2.b+2.w)
              ag(1.w) wait(1.w) mm mm rs(1.b+1.w) wait(1.b+1.w) mm rs(0.b+0.w) wait(0.b+0.w)
     0:       ag(norm.w+norm.b+2.w) wait(norm.w+norm.b+2.w) ag(1.w) ln_bw mm mm
-             rs(norm.b+norm.w+2.b+2.w) wait(norm.b+norm.w+2.b+2.w) wait(1.w) mm mm
+             rs(norm.w+norm.b+2.b+2.w) wait(norm.w+norm.b+2.b+2.w) wait(1.w) mm mm
              rs(1.b+1.w) wait(1.b+1.w) mm rs(0.b+0.w) wait(0.b+0.w)
     1:       ag(norm.w+norm.b+2.w) wait(norm.w+norm.b+2.w) ag(1.w) ln_bw mm mm
-             rs(norm.b+norm.w+2.b+2.w) wait(1.w) mm mm wait(norm.b+norm.w+2.b+2.w)
+             rs(norm.w+norm.b+2.b+2.w) wait(1.w) mm mm wait(norm.w+norm.b+2.b+2.w)
              rs(1.b+1.w) mm wait(1.b+1.w) rs(0.b+0.w) wait(0.b+0.w)
     2:       ag(norm.w+norm.b+2.w) wait(norm.w+norm.b+2.w) ag(1.w) ln_bw mm mm
-             rs(norm.b+norm.w+2.b+2.w) wait(1.w) mm mm rs(1.b+1.w) mm
-             wait(norm.b+norm.w+2.b+2.w) rs(0.b+0.w) wait(1.b+1.w) wait(0.b+0.w)
+             rs(norm.w+norm.b+2.b+2.w) wait(1.w) mm mm rs(1.b+1.w) mm
+             wait(norm.w+norm.b+2.b+2.w) rs(0.b+0.w) wait(1.b+1.w) wait(0.b+0.w)
     """
     backward = bucketed("backward")
     assert events(backward) == drawing("before")

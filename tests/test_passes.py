@@ -22,12 +22,13 @@ from pass_graphs import WORLD, Stack, Tied, events, gathers, label, policies, st
 
 
 def test_merge_shared_gathers_a_tied_weight_once_and_reduces_the_summed_gradient_once(drawing):
-    """inp.weight and out.weight are one shard: two annotations become one each way.
+    """inp.weight and out.weight are one shard: two annotations become one each way. (Read
+    per use: read as ghosts, Dynamo already makes one input of the shared ghost.)
 
     before:  un(inp.w) mm un(out.w) mm mm mm rg(out.w) mm rg(inp.w) add
     after:   un(inp.w) mm mm mm mm mm add rg(out.w)
     """
-    joint = stage(Tied, "joint")
+    joint = stage(Tied, "joint", per_use=True)
     assert events(joint) == drawing("before")
     merge_shared_parameters(joint)
     assert events(joint) == drawing("after")
@@ -47,10 +48,10 @@ def test_lower_turns_annotations_into_collectives_and_waits(drawing):
     wait, in place; gathers are tagged to be recomputed (gathered again) in backward.
 
     before:  un(0.w) un(0.b) mm un(1.w) un(1.b) mm un(2.w) un(2.b) mm un(norm.w) un(norm.b) ln
-             ln_bw rg(norm.b) rg(norm.w) mm mm rg(2.b) rg(2.w) mm mm rg(1.b) rg(1.w) mm rg(0.b) rg(0.w)
+             ln_bw rg(norm.w) rg(norm.b) mm mm rg(2.b) rg(2.w) mm mm rg(1.b) rg(1.w) mm rg(0.b) rg(0.w)
     after:   ag(0.w) wait(0.w) ag(0.b) wait(0.b) mm ag(1.w) wait(1.w) ag(1.b) wait(1.b) mm
              ag(2.w) wait(2.w) ag(2.b) wait(2.b) mm ag(norm.w) wait(norm.w) ag(norm.b) wait(norm.b) ln
-             ln_bw rs(norm.b) wait(norm.b) rs(norm.w) wait(norm.w) mm mm rs(2.b) wait(2.b) rs(2.w) wait(2.w)
+             ln_bw rs(norm.w) wait(norm.w) rs(norm.b) wait(norm.b) mm mm rs(2.b) wait(2.b) rs(2.w) wait(2.w)
              mm mm rs(1.b) wait(1.b) rs(1.w) wait(1.w) mm rs(0.b) wait(0.b) rs(0.w) wait(0.w)
     """
     joint = stage(Stack, "joint")
@@ -129,11 +130,11 @@ def test_bucket_reduces_each_block_where_its_last_gradient_was(drawing):
     """Reduce-scatters per block (the norm joins the block after it in backward order),
     issued where the bucket's last member was; backward re-gathers are bucketed alike.
 
-    before:  ag(norm.w) wait(norm.w) ag(norm.b) wait(norm.b) ln_bw rs(norm.b) wait(norm.b)
-             rs(norm.w) wait(norm.w) ag(2.w) wait(2.w) mm mm rs(2.b) wait(2.b) rs(2.w) wait(2.w)
+    before:  ag(norm.w) wait(norm.w) ag(norm.b) wait(norm.b) ln_bw rs(norm.w) wait(norm.w)
+             rs(norm.b) wait(norm.b) ag(2.w) wait(2.w) mm mm rs(2.b) wait(2.b) rs(2.w) wait(2.w)
              ag(1.w) wait(1.w) mm mm rs(1.b) wait(1.b) rs(1.w) wait(1.w) mm rs(0.b) wait(0.b) rs(0.w) wait(0.w)
     after:   ag(norm.w+norm.b+2.w) wait(norm.w+norm.b+2.w) ln_bw mm mm
-             rs(norm.b+norm.w+2.b+2.w) wait(norm.b+norm.w+2.b+2.w)
+             rs(norm.w+norm.b+2.b+2.w) wait(norm.w+norm.b+2.b+2.w)
              ag(1.w) wait(1.w) mm mm rs(1.b+1.w) wait(1.b+1.w) mm rs(0.b+0.w) wait(0.b+0.w)
     """
     backward = stage(Stack, "backward")

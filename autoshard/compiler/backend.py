@@ -19,6 +19,7 @@ from torch import fx
 from torch.distributed.tensor import DTensor
 
 from autoshard._compat import (
+    BACKEND_MARK,
     aot_autograd,
     boxed,
     compile_fx,
@@ -34,6 +35,7 @@ from autoshard.compiler import pipeline
 from autoshard.compiler.consistency import reports_compile_failure
 from autoshard.compiler.cost_model import DeviceProfile, estimators, get_profile, workspace
 from autoshard.compiler.dump import GraphDump
+from autoshard.compiler.ghosts import gather_ghosts, with_leaves
 from autoshard.compiler.options import Options, parse_options
 from autoshard.runtime import leaves
 
@@ -167,7 +169,9 @@ def _finish(
 @_paused
 def autoshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict | None = None) -> Callable:
     """Compile a Dynamo graph of a model sharded by :func:`autoshard.shard`."""
-    return _following_requires_grad(_compile(gm, example_inputs, options), gm, example_inputs)
+    # First the capture: parameters' ghosts become their shards, gathered (compiler/ghosts.py).
+    inputs, ghosts = gather_ghosts(gm, example_inputs)
+    return with_leaves(_following_requires_grad(_compile(gm, inputs, options), gm, inputs), ghosts)
 
 
 def _compile(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict | None) -> Callable:
@@ -217,4 +221,5 @@ def _compile(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict | 
         )(gm, example_inputs)
 
 
+setattr(autoshard_backend, BACKEND_MARK, True)  # parameters read as ghosts only for it (runtime/leaves.py)
 register_backend(autoshard_backend, "autoshard")

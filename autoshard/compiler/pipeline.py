@@ -30,13 +30,15 @@ from autoshard.passes import (
     merge_shared_parameters,
     reductions_by_exchange,
     schedule_overlap,
+    unbatch_annotations,
 )
 from autoshard.passes.graph_utils import is_copy, mib_to_bytes
 from autoshard.passes.schedule import PLAN
 from autoshard.passes.step_model import no_workspace
 
 # What a graph holds, as passes require and provide it.
-ANNOTATIONS = "annotation ops"  # every graph starts with them (Dynamo captured the property reads)
+ANNOTATIONS = "annotation ops"  # every graph starts with them (Dynamo's reads, gathered by compiler/ghosts.py)
+UNBATCHED = "one annotation op per parameter"
 MERGED = "shared parameters merged"
 LOWERED = "lowered collectives"
 RECOMPUTE_TAGS = "recompute tags"
@@ -202,11 +204,14 @@ CAPTURED: tuple[Step, ...] = (Stage("captured"),)
 
 # AOT autograd's joint forward+backward graph (not built for inference graphs).
 JOINT: tuple[Step, ...] = (
+    # Written with one annotation op per parameter: the joint graph as a reader expects it.
+    Pass("unbatch_annotations", lambda gm, ctx: unbatch_annotations(gm),
+         None, frozenset({ANNOTATIONS}), frozenset({UNBATCHED})),
     Stage("joint", what="AOT autograd: traced to ATen, forward and backward in one joint graph"),
     Pass("save_random_ops_in_checkpoints", lambda gm, ctx: save_random_ops_in_checkpoints(gm),
          None, provides=frozenset({RNG_SAVED})),  # a torch 2.13 bug, see autoshard/_compat.py
     Pass("merge_shared_parameters", lambda gm, ctx: merge_shared_parameters(gm),
-         "shared parameters merged", frozenset({ANNOTATIONS}), frozenset({MERGED})),
+         "shared parameters merged", frozenset({UNBATCHED}), frozenset({MERGED})),
     Pass("lower_annotations", lambda gm, ctx: lower_annotations(gm, ctx.options.reshard_after_forward),
          "annotations replaced by collectives", frozenset({MERGED}), frozenset({LOWERED, RECOMPUTE_TAGS})),
     Stage("lowered"),
@@ -217,7 +222,8 @@ PARTITION = "partition"  # the report's word for the min-cut partitioner between
 INFERENCE = "AOT autograd: traced to ATen (inference: no backward)"
 PARTITIONED: tuple[Step, ...] = (
     # A graph compiled without autograd never went through JOINT; idempotent otherwise.
-    Pass("lower_annotations", lambda gm, ctx: lower_annotations(gm), "lower", frozenset({ANNOTATIONS}), frozenset({LOWERED})),
+    Pass("unbatch_annotations", lambda gm, ctx: unbatch_annotations(gm), None, frozenset({ANNOTATIONS}), frozenset({UNBATCHED})),
+    Pass("lower_annotations", lambda gm, ctx: lower_annotations(gm), "lower", frozenset({UNBATCHED}), frozenset({LOWERED})),
     Pass("bucket_collectives", _bucket,
          "bucket: per-parameter collectives merged into flat ones", frozenset({LOWERED}), frozenset({BUCKETS}), OURS),
     Stage("{side}_bucketed", schedules=OURS),

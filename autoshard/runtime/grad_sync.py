@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from autoshard.runtime import ops
+from autoshard.runtime import leaves, ops
 
 SYNC = "_autoshard_sync"  # on each module owning sharded parameters: whether backward reduces
 SINKS = "_autoshard_sinks"  # on the same modules: parameter name -> sink tensor
@@ -34,7 +34,7 @@ def _sink(param: nn.Parameter, dtype: torch.dtype) -> torch.Tensor:
     element (stride 0): memory is spent only on the gradient it receives."""
     existing = getattr(param, "_autoshard_sink", None)  # shared by every module using param (tied)
     if existing is None or existing.dtype != dtype:
-        existing = torch.zeros((), dtype=dtype, device=param.device).expand(param.shape).detach().requires_grad_(True)
+        existing = leaves.one_element(param.shape, dtype, param.device).requires_grad_(True)
         param._autoshard_sink = existing
     return existing
 

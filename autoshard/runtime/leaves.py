@@ -18,6 +18,15 @@ and Dynamo recompiles the next one). A compiled submodule that was not itself pa
 :func:`stale` (one eager call, and on torch releases that do not retrace on an input's
 ``requires_grad`` alone, eager calls until the root is traced again).
 
+Each leaf has a *ghost*: a tensor of the full parameter's shape and compute dtype that holds
+one element. While Dynamo traces a forward for autoshard's backend (:data:`GHOSTS`, set as a
+root's forward is traced), a synchronised read returns the ghost: a plain graph input, as
+cheap to trace as an unsharded parameter, where an annotation op per use doubled Dynamo's
+time. The backend hands the compiled graph the leaf in its place and gathers it there
+(autoshard/compiler/ghosts.py). Any other backend gets the annotation op per use (real
+collectives), never a ghost. (A module compiled on its own with another backend after its
+root was traced for autoshard's would still read ghosts; they hold NaN, so its outputs say so.)
+
 The gradient autograd accumulates into the trainable leaf is the DTensor parameter's ``.grad``:
 its local tensor *is* the leaf's ``.grad`` (:class:`_GradLink`), so accumulation adds in place
 exactly as it would into the DTensor's ``.grad``, and ``zero_grad``, ``clip_grad_norm_`` and
@@ -33,7 +42,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from autoshard._compat import FakeTensor
+from autoshard._compat import FakeTensor, tracing_for_backend
 
 LEAVES = "_autoshard_leaves"  # on each module owning sharded parameters: parameter name -> Leaves
 _ON_PARAM = "_autoshard_leaves"  # on the DTensor parameter itself: shared by every module using it (tied)
@@ -42,6 +51,8 @@ _ON_PARAM = "_autoshard_leaves"  # on the DTensor parameter itself: shared by ev
 class Leaves(NamedTuple):
     param: nn.Parameter  # the DTensor parameter it views
     leaf: nn.Parameter
+    ghost: torch.Tensor  # what a forward traced for autoshard reads: the full parameter's shape, no memory
+    spec: Any  # the parameter's annotation (autoshard.runtime.shard.ParamSpec)
 
 
 class _GradLink:
@@ -75,7 +86,16 @@ class _GradLink:
         )
 
 
-def _build(param: nn.Parameter) -> Leaves:
+GHOST = "_autoshard_ghost"  # on each ghost: its Leaves
+
+
+def one_element(shape: torch.Size, dtype: torch.dtype, device: torch.device, value: float = 0.0) -> torch.Tensor:
+    """A tensor of ``shape`` holding one element of its own, ``value`` (stride 0): a full
+    parameter's shape for the memory of one element."""
+    return torch.full((), value, dtype=dtype, device=device).expand(shape).detach()
+
+
+def _build(param: nn.Parameter, spec: Any) -> Leaves:
     with torch.no_grad():
         local = param.to_local().detach()
     leaf = nn.Parameter(local, requires_grad=True)  # hooks need it; set to the parameter's below
@@ -85,16 +105,24 @@ def _build(param: nn.Parameter) -> Leaves:
     leaf.requires_grad_(param.requires_grad)
     leaf._autoshard_leaf = True  # the backend's "unsharded parameter" warning skips these
     leaf._autoshard_param = param
-    leaves = Leaves(param, leaf)
+    # While Dynamo traces, a read returns the ghost, a graph input as cheap to trace as a plain
+    # parameter; the backend gives the graph the leaf instead and gathers it (compiler/ghosts.py).
+    # NaN: a graph that computed with the ghost itself would say so.
+    dtype = spec.param_dtype or param.dtype
+    ghost = one_element(param.shape, dtype, local.device, float("nan") if dtype.is_floating_point else 0.0)
+    ghost.requires_grad_(param.requires_grad)
+    leaves = Leaves(param, leaf, ghost, spec)
+    setattr(ghost, GHOST, leaves)
     setattr(param, _ON_PARAM, leaves)
     return leaves
 
 
 def synced(leaves: Leaves) -> nn.Parameter:
-    """The leaf, its ``requires_grad`` made the parameter's."""
+    """The leaf, its ``requires_grad`` (and its ghost's) made the parameter's."""
     leaf, wanted = leaves.leaf, leaves.param.requires_grad
     if leaf.requires_grad != wanted:
         leaf.requires_grad_(wanted)
+        leaves.ghost.requires_grad_(wanted)
     return leaf
 
 
@@ -104,7 +132,21 @@ def leaf_attribute(name: str) -> str:
     return f"_autoshard_leaf_{name}"
 
 
+def ghost_attribute(name: str) -> str:
+    """Where a module keeps the ghost of its sharded parameter ``name`` (see :func:`leaf_attribute`)."""
+    return f"_autoshard_ghost_{name}"
+
+
+def ghost_leaves(x: Any) -> Leaves | None:
+    """The leaves of ``x`` if it is a ghost, else None."""
+    return getattr(x, GHOST, None) if isinstance(x, torch.Tensor) else None
+
+
 CHECK = "_autoshard_check_leaves"  # on each module passed to shard(): see attach_check
+# On each module owning sharded parameters: whether a traced read returns the ghost. Set as
+# Dynamo starts tracing a root's forward (attach_check): only for autoshard's backend, which
+# gathers ghosts (any other would compute with them); a Python constant Dynamo guards on.
+GHOSTS = "_autoshard_ghosts"
 
 
 def attach_check(root: nn.Module) -> None:
@@ -117,8 +159,10 @@ def attach_check(root: nn.Module) -> None:
     owner = weakref.ref(root)
 
     def check(changes_seen: int) -> bool:  # changes_seen: :data:`changes`, for Dynamo's guard
+        ghosts = tracing_for_backend()
         for module, name in _sharded(owner()):
             synced(leaves_of(module, name))
+            module.__dict__[GHOSTS] = ghosts
         return True
 
     root.__dict__[CHECK] = torch.compiler.assume_constant_result(check)
@@ -126,7 +170,8 @@ def attach_check(root: nn.Module) -> None:
 
 def check_before_tracing(root: nn.Module) -> None:
     """What the forward of each module passed to ``shard`` calls first: while Dynamo traces,
-    sync the leaves the traced reads will wrap (eagerly each read syncs its own leaf)."""
+    sync the leaves the traced reads will wrap (eagerly each read syncs its own leaf), and say
+    whether they may read ghosts."""
     if torch.compiler.is_compiling():
         root.__dict__[CHECK](changes)
 
@@ -179,8 +224,9 @@ def leaves_of(module: nn.Module, name: str) -> Leaves:
     leaves = table.get(name)
     if not _current(leaves, param):
         shared = getattr(param, _ON_PARAM, None)
-        leaves = table[name] = shared if _current(shared, param) else _build(param)
+        leaves = table[name] = shared if _current(shared, param) else _build(param, module._autoshard_specs[name])
         module.__dict__[leaf_attribute(name)] = leaves.leaf
+        module.__dict__[ghost_attribute(name)] = leaves.ghost
     return leaves
 
 

@@ -104,7 +104,7 @@ def unshard(  # one line per group of arguments (see the module docstring)
 
 
 @unshard.register_fake
-def _(shard, group_name, world_size, dim0, reshard, name, sink, param_dtype, reduce_dtype, replica_group, replicas):
+def _unshard_fake(shard, group_name, world_size, dim0, reshard, name, sink, param_dtype, reduce_dtype, replica_group, replicas):
     return shard.new_empty((dim0, *shard.shape[1:]), dtype=param_dtype or shard.dtype)
 
 
@@ -125,7 +125,7 @@ def reduce_grad(
 
 
 @reduce_grad.register_fake
-def _(grad, group_name, world_size, shard_rows, name, reduce_dtype, out_dtype, replica_group, replicas):
+def _reduce_grad_fake(grad, group_name, world_size, shard_rows, name, reduce_dtype, out_dtype, replica_group, replicas):
     return grad.new_empty((shard_rows, *grad.shape[1:]), dtype=out_dtype)
 
 
@@ -142,8 +142,7 @@ def _backward_args(op: torch._ops.OpOverload, inputs: tuple, backward: torch._op
 
 def _unshard_setup(ctx, inputs, output):
     a = arguments(UNSHARD, inputs)
-    shard = a["shard"]
-    ctx.args = _backward_args(UNSHARD, inputs, _REDUCE_GRAD, shard_rows=shard.shape[0], out_dtype=shard.dtype)
+    ctx.args = backward_call(UNSHARD, inputs)[1]
     ctx.sink_dtype = None if a["sink"] is None else a["sink"].dtype
 
 
@@ -170,7 +169,7 @@ def replicate(
 
 
 @replicate.register_fake
-def _(tensor, group_name, world_size, name, sink, param_dtype, reduce_dtype, replica_group, replicas):
+def _replicate_fake(tensor, group_name, world_size, name, sink, param_dtype, reduce_dtype, replica_group, replicas):
     return torch.empty_like(tensor, dtype=param_dtype or tensor.dtype)
 
 
@@ -189,13 +188,13 @@ def all_reduce_grad(
 
 
 @all_reduce_grad.register_fake
-def _(grad, group_name, world_size, name, reduce_dtype, out_dtype, replica_group, replicas):
+def _all_reduce_grad_fake(grad, group_name, world_size, name, reduce_dtype, out_dtype, replica_group, replicas):
     return torch.empty_like(grad, dtype=out_dtype)
 
 
 def _replicate_setup(ctx, inputs, output):
     a = arguments(REPLICATE, inputs)
-    ctx.args = _backward_args(REPLICATE, inputs, _ALL_REDUCE_GRAD, out_dtype=a["tensor"].dtype)
+    ctx.args = backward_call(REPLICATE, inputs)[1]
     ctx.sink_dtype = None if a["sink"] is None else a["sink"].dtype
 
 
@@ -207,6 +206,19 @@ def _replicate_backward(ctx, grad):
 
 REPLICATE, _ALL_REDUCE_GRAD = torch.ops.autoshard.replicate.default, torch.ops.autoshard.all_reduce_grad.default
 replicate.register_autograd(_replicate_backward, setup_context=_replicate_setup)
+
+# Each parameter op's fake kernel, by overload: for ops that apply many of them at once (batched.py).
+FAKE = {UNSHARD: _unshard_fake, REPLICATE: _replicate_fake, _REDUCE_GRAD: _reduce_grad_fake,
+        _ALL_REDUCE_GRAD: _all_reduce_grad_fake}
+
+
+def backward_call(op: torch._ops.OpOverload, inputs: Sequence[Any]) -> tuple[torch._ops.OpOverload, tuple]:
+    """What a synchronised backward of ``op`` (``unshard`` or ``replicate``) called with
+    ``inputs`` applies to the gradient: the reduction op, and its arguments after the gradient."""
+    tensor = inputs[0]  # the shard, or the replicated tensor
+    backward = _REDUCE_GRAD if op == UNSHARD else _ALL_REDUCE_GRAD
+    given = {"shard_rows": tensor.shape[0]} if op == UNSHARD else {}
+    return backward, _backward_args(op, inputs, backward, out_dtype=tensor.dtype, **given)
 
 
 @torch.library.custom_op("autoshard::copy_out", mutates_args=())

@@ -112,12 +112,17 @@ def _getter(name: str) -> Callable[[nn.Module], torch.Tensor]:
     annotation op. Dynamo inlines this for every parameter use, so it is one flat function
     reading few attributes (an extra call level, a dict lookup or a call Dynamo runs for real
     each cost a use 1-4 ms to trace)."""
-    leaf_attribute, sync, sinks = leaves.leaf_attribute(name), grad_sync.SYNC, grad_sync.SINKS
+    leaf_attribute, ghost_attribute = leaves.leaf_attribute(name), leaves.ghost_attribute(name)
+    sync, sinks, ghosts = grad_sync.SYNC, grad_sync.SINKS, leaves.GHOSTS
 
     def get(self: nn.Module) -> torch.Tensor:
         if _as_shards:
             return self._parameters[name]
         if torch.compiler.is_compiling():
+            # For autoshard's backend, synchronised (constants Dynamo guards on): a graph input
+            # of the full shape, which the backend gathers (autoshard/compiler/ghosts.py).
+            if getattr(self, ghosts) and getattr(self, sync):
+                return getattr(self, ghost_attribute)
             leaf = getattr(self, leaf_attribute)  # synced as the root's forward was traced (_checked_forward)
         else:
             leaf = leaves.synced(leaves.leaves_of(self, name))
@@ -424,6 +429,7 @@ def _install(module: nn.Module, owners: Owners, sharded: dict[int, nn.Parameter]
             leaves.leaves_of(mod, name)
         _reclass(mod)
         setattr(mod, grad_sync.SYNC, getattr(mod, grad_sync.SYNC, True))
+        setattr(mod, leaves.GHOSTS, getattr(mod, leaves.GHOSTS, False))  # set as a root's forward is traced
     leaves.attach_check(module)
     _reclass(module)
     if mixed_precision is not None and mixed_precision.param_dtype is not None and mixed_precision.cast_forward_inputs:

@@ -22,8 +22,9 @@ from autoshard._compat import to_local_source
 from autoshard.compiler import dump
 from autoshard.compiler.cost_model import COLLECTIVE_KINDS, DeviceProfile, get_profile
 from autoshard.compiler.pipeline import STAGES
-from autoshard.passes.graph_utils import arg
+from autoshard.passes.graph_utils import parameter_reads
 from autoshard.passes.schedule import PLAN
+from autoshard.runtime.ops import UNSHARD
 from autoshard.tools.liveness import CATEGORIES, parameters_label
 from autoshard.tools.report_code import node_block
 from autoshard.tools.report_html import render_html
@@ -98,17 +99,15 @@ class Report:
         if captured is None:
             return None, None, 0
         seen: dict[Any, tuple[int, int]] = {}
-        for node in captured.graph.nodes:
-            name = str(node.target)
-            if node.op != "call_function" or name not in ("autoshard.unshard.default", "autoshard.replicate.default"):
-                continue
-            local = arg(node, "shard" if name == "autoshard.unshard.default" else "tensor")
+        for op, a in parameter_reads(captured.graph):
+            unshard = op == UNSHARD
+            local = a["shard" if unshard else "tensor"]
             source = to_local_source(local) if isinstance(local, fx.Node) else None
             key = local if source is None else source
             value = local.meta.get("example_value", local.meta.get("val")) if isinstance(local, fx.Node) else None
             if value is None:
                 return None, None, 0
-            rows = arg(node, "dim0") if name == "autoshard.unshard.default" else None
+            rows = a["dim0"] if unshard else None
             full = value.numel() if rows is None else rows * math.prod(value.shape[1:])
             seen[key] = (int(full), int(value.numel() * value.element_size()))
         return sum(f for f, _ in seen.values()), sum(b for _, b in seen.values()), len(seen)

@@ -77,7 +77,7 @@ def fold_blocks(code: str, gm: fx.GraphModule) -> str:
     replaced: dict[int, str] = {}
     dropped: set[int] = set()
     for block, where in members.items():
-        signature = tuple(_signature(lines[i]) for i in where)
+        signature = tuple(_signature(lines[i]) for i in where if lines[i].strip())  # blank lines fall where they fall
         same = first_with.setdefault(signature, block)
         if same != block:
             count = sum(1 for i in where if _NODE_LINE.match(lines[i]))

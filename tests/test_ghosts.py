@@ -1,0 +1,110 @@
+"""Capture: traced parameter reads return ghosts, which only autoshard's backend receives; it
+gathers them with one op, which the joint graph splits back into one op per parameter."""
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch import fx, nn
+
+import autoshard
+from autoshard.passes import unbatch_annotations
+from autoshard.passes.graph_utils import arg, is_op
+from autoshard.runtime import batched, leaves, ops
+
+from fake_pg import compile_step, count, fake_world
+from models import batch, build
+
+annotations = torch.ops.autoshard
+
+
+def test_one_gather_for_the_trainable_parameters_and_one_for_the_frozen():
+    step = compile_step("frozen")
+    params = list(step.model.parameters())
+    captured = step.only("captured")
+    batches = [n for n in captured.graph.nodes if is_op(n, annotations.unshard_all)]
+    assert sorted(len(arg(b, "tensors")) for b in batches) == sorted([sum(p.requires_grad for p in params),
+                                                                   sum(not p.requires_grad for p in params)])
+    assert count(captured, "autoshard.unshard.") == 0  # no op per parameter use in Dynamo's graph
+    # The joint graph has one op per parameter again; only the trainable ones are reduced.
+    joint = step.only("joint")
+    assert count(joint, "autoshard.unshard_all") == count(joint, "autoshard.reduce_all") == 0
+    assert count(joint, "autoshard.unshard.") == len(params)
+    assert count(joint, "autoshard.reduce_grad") == sum(p.requires_grad for p in params)
+
+
+def test_another_backend_computes_with_the_real_parameters():
+    """A sharded model compiled with a backend other than autoshard's gets one op per parameter
+    use (real collectives), never a ghost's zeros."""
+    with fake_world(1):
+        model = autoshard.shard(build("mlp"))
+        x = batch("mlp", 0)
+        expected = model(*x)
+        inputs = []
+
+        def backend(gm, example_inputs):
+            inputs.extend(example_inputs)
+            return gm.forward
+
+        got = torch.compile(model, backend=backend)(*x)
+        torch._dynamo.reset()
+    assert torch.equal(got, expected)
+    assert inputs and not any(leaves.ghost_leaves(x) is not None for x in inputs)
+
+
+def test_ghosts_follow_requires_grad_and_hold_no_memory():
+    with fake_world(2):
+        linear = autoshard.shard(nn.Linear(2, 4))
+        found = getattr(linear, leaves.LEAVES)["weight"]
+        assert found.ghost.shape == (4, 2) and found.ghost.stride() == (0, 0) and found.ghost.requires_grad
+        assert found.ghost.isnan().all()  # a graph computing with a ghost itself would show it
+        linear._parameters["weight"].requires_grad_(False)
+        leaves.synced(found)
+        assert not found.ghost.requires_grad and not found.leaf.requires_grad
+        assert leaves.ghost_leaves(found.ghost) is found and leaves.ghost_leaves(found.leaf) is None
+
+
+def _traced_step() -> fx.GraphModule:
+    """A joint graph as AOT autograd traces the batched ops: two parameters of two rows per
+    rank (world 2), the first used by the second matmul, the second by the first."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    calls = [(ops.UNSHARD, ("g", 2, 4, True, name, None, None, None, "", 1)) for name in ("a", "b")]
+    key = batched.key_for(calls)
+
+    def step(a, b, x):
+        full_a, full_b = batched.unshard_all([a, b], key)
+        y = (x @ full_b.t()).relu() @ full_a.t()
+        return torch.autograd.grad(y.sum(), [a, b])
+
+    shards = [torch.randn(2, 4, requires_grad=True) for _ in range(2)]
+    return make_fx(step, tracing_mode="fake")(*shards, torch.randn(3, 4))
+
+
+def _events(gm: fx.GraphModule) -> list[str]:
+    names = {annotations.unshard.default: "un", annotations.reduce_grad.default: "rg",
+             annotations.unshard_all.default: "un_all", annotations.reduce_all.default: "rg_all"}
+    found = []
+    for n in gm.graph.nodes:
+        if n.target in names:
+            which = f"({arg(n, 'name')})" if n.target in (annotations.unshard.default, annotations.reduce_grad.default) else ""
+            found.append(names[n.target] + which)
+        elif n.target is torch.ops.aten.mm.default:
+            found.append("mm")
+    return found
+
+
+def test_unbatch_puts_each_gather_before_its_first_use_and_each_reduce_after_its_gradient(drawing):
+    """b is read first (by the first matmul), a by the second; the gradient of a is complete
+    before b's.
+
+    before:  un_all mm mm mm mm mm rg_all
+    after:   un(b) mm un(a) mm mm mm rg(a) mm rg(b)
+    """
+    gm = _traced_step()
+    assert _events(gm) == drawing("before")
+    unbatch_annotations(gm)
+    assert _events(gm) == drawing("after")
+    assert not any(n.target is operator.getitem and is_op(n.args[0], annotations.unshard_all) for n in gm.graph.nodes)
+    unbatch_annotations(gm)  # idempotent
+    assert _events(gm) == drawing("after")
