@@ -18,11 +18,11 @@ import torch._inductor.fx_passes.overlap_scheduling as overlap_scheduling
 import torch.utils._runtime_estimation as runtime_estimation
 from torch._dispatch.python import no_python_dispatcher
 from torch._dynamo import lookup_backend
-from torch._guards import detect_fake_mode
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.symbolic_convert import InstructionTranslator
 from torch._dynamo.utils import counters as dynamo_counters
 from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch._guards import detect_fake_mode
 from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 from torch._inductor.fx_passes.memory_estimator import MemoryTracker
 from torch._inductor.utils import run_and_get_code
