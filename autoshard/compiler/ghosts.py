@@ -45,6 +45,11 @@ def gather_ghosts(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[li
     """Rewrite ``gm`` in place as the module docstring draws; return its example inputs with
     each ghost replaced by its leaf, and the positions of those inputs."""
     graph = gm.graph
+    for node in graph.find_nodes(op="get_attr"):  # a ghost Dynamo kept as a constant would be computed with
+        if ghost_leaves(getattr(gm, node.target, None)) is not None:
+            raise ValueError(f"autoshard backend: Dynamo made the sharded parameter read {node.target!r} a constant of "
+                             "the graph, not an input, so it cannot be gathered; leave "
+                             "torch._dynamo.config.inline_inbuilt_nn_modules at True (its default).")
     placeholders = list(graph.find_nodes(op="placeholder"))
     found: list[tuple[int, fx.Node, Leaves]] = []
     for i, (node, x) in enumerate(zip(placeholders, example_inputs)):
