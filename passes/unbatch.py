@@ -45,8 +45,8 @@ def unbatch_annotations(gm: fx.GraphModule) -> fx.GraphModule:
         return gm
     order = {n: i for i, n in enumerate(graph.nodes)}
     for batch in batches:
-        tensors, calls = arg(batch, "tensors" if is_op(batch, annotations.unshard_all) else "grads"), calls_of(arg(batch, "key"))
         forward = is_op(batch, annotations.unshard_all)
+        tensors, calls = arg(batch, "tensors" if forward else "grads"), calls_of(arg(batch, "key"))
         for item in list(batch.users):
             if item.target is not operator.getitem:
                 raise ValueError(f"autoshard backend: cannot split {batch.name} into one op per parameter: "

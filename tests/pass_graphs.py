@@ -105,6 +105,8 @@ def label(node: fx.Node) -> str | None:
         return f"un({_short(arg(node, 'name'))})"
     if is_op(node, annotations.reduce_grad):
         return f"rg({_short(arg(node, 'name'))})"
+    if is_op(node, annotations.unshard_all) or is_op(node, annotations.reduce_all):  # batched: passes/unbatch.py
+        return "un_all" if is_op(node, annotations.unshard_all) else "rg_all"
     if node.target in COLLECTIVES:
         return f"{COLLECTIVES[node.target]}({_params(node)})"
     if node.target is c10d.wait_tensor.default:

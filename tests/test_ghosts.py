@@ -14,6 +14,7 @@ from autoshard.runtime import batched, leaves, ops
 
 from fake_pg import compile_step, count, fake_world
 from models import batch, build
+from pass_graphs import events
 
 annotations = torch.ops.autoshard
 
@@ -81,19 +82,6 @@ def _traced_step() -> fx.GraphModule:
     return make_fx(step, tracing_mode="fake")(*shards, torch.randn(3, 4))
 
 
-def _events(gm: fx.GraphModule) -> list[str]:
-    names = {annotations.unshard.default: "un", annotations.reduce_grad.default: "rg",
-             annotations.unshard_all.default: "un_all", annotations.reduce_all.default: "rg_all"}
-    found = []
-    for n in gm.graph.nodes:
-        if n.target in names:
-            which = f"({arg(n, 'name')})" if n.target in (annotations.unshard.default, annotations.reduce_grad.default) else ""
-            found.append(names[n.target] + which)
-        elif n.target is torch.ops.aten.mm.default:
-            found.append("mm")
-    return found
-
-
 def test_unbatch_puts_each_gather_before_its_first_use_and_each_reduce_after_its_gradient(drawing):
     """b is read first (by the first matmul), a by the second; the gradient of a is complete
     before b's.
@@ -102,9 +90,9 @@ def test_unbatch_puts_each_gather_before_its_first_use_and_each_reduce_after_its
     after:   un(b) mm un(a) mm mm mm rg(a) mm rg(b)
     """
     gm = _traced_step()
-    assert _events(gm) == drawing("before")
+    assert events(gm) == drawing("before")
     unbatch_annotations(gm)
-    assert _events(gm) == drawing("after")
+    assert events(gm) == drawing("after")
     assert not any(n.target is operator.getitem and is_op(n.args[0], annotations.unshard_all) for n in gm.graph.nodes)
     unbatch_annotations(gm)  # idempotent
-    assert _events(gm) == drawing("after")
+    assert events(gm) == drawing("after")
