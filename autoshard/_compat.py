@@ -72,7 +72,6 @@ __all__ = [
     "recompute_region",
     "register_backend",
     "save_random_ops_in_checkpoints",
-    "to_local_source",
     "tree_leaves",
     "tree_map",
     "tree_map_only",
@@ -152,18 +151,6 @@ def boxed(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     gm.graph.set_codegen(torch.fx.graph._BoxedCodeGen())
     gm.recompile()
     return gm
-
-
-def to_local_source(node: torch.fx.Node) -> torch.fx.Node | None:
-    """The DTensor node that a Dynamo-captured ``dtensor.to_local()`` node reads, else None."""
-    # torch 2.13 and 2.15 capture ``to_local()`` as call_method "to_local"; torch 2.11 captures a
-    # call_function of a closure Dynamo builds per call (its arguments baked in) and names
-    # "prim_to_local", so it can only be recognised by that name.
-    if node.op == "call_method" and node.target == "to_local":
-        return node.args[0]
-    if node.op == "call_function" and getattr(node.target, "__name__", None) == "prim_to_local":
-        return node.args[0]
-    return None
 
 
 def must_recompute(node: torch.fx.Node, graph_id: int) -> None:

@@ -18,7 +18,6 @@ import torch.distributed as dist
 from tabulate import tabulate
 from torch import fx
 
-from autoshard._compat import to_local_source
 from autoshard.compiler import dump
 from autoshard.compiler.cost_model import COLLECTIVE_KINDS, DeviceProfile, get_profile
 from autoshard.compiler.pipeline import STAGES
@@ -101,15 +100,13 @@ class Report:
         seen: dict[Any, tuple[int, int]] = {}
         for op, a in parameter_reads(captured.graph):
             unshard = op == UNSHARD
-            local = a["shard" if unshard else "tensor"]
-            source = to_local_source(local) if isinstance(local, fx.Node) else None
-            key = local if source is None else source
+            local = a["shard" if unshard else "tensor"]  # the leaf: one graph input per parameter
             value = local.meta.get("example_value", local.meta.get("val")) if isinstance(local, fx.Node) else None
             if value is None:
                 return None, None, 0
             rows = a["dim0"] if unshard else None
             full = value.numel() if rows is None else rows * math.prod(value.shape[1:])
-            seen[key] = (int(full), int(value.numel() * value.element_size()))
+            seen[local] = (int(full), int(value.numel() * value.element_size()))
         return sum(f for f, _ in seen.values()), sum(b for _, b in seen.values()), len(seen)
 
     def _metrics(self) -> dict[str, Any]:
