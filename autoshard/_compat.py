@@ -89,8 +89,9 @@ all_gather_single = getattr(torch.distributed, "all_gather_single", None) or tor
 
 def fake_from_meta(fake_mode: FakeTensorMode, meta: torch.Tensor, device: torch.device) -> FakeTensor:
     """A fake tensor of ``fake_mode`` on ``device`` with ``meta``'s shape, strides and dtype:
-    what the fake mode itself makes of a meta kernel's output, without its dispatch."""
-    return fake_mode.fake_tensor_converter.from_meta_and_device(fake_mode, meta, device)
+    what the fake mode itself makes of a meta kernel's output, without its dispatch. ``meta``
+    must be fresh (made for this value alone): it is not memoised as a converted tensor."""
+    return FakeTensor(fake_mode, meta, device)
 
 
 def copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:

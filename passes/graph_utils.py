@@ -2,12 +2,11 @@
 fake values, reading op arguments by name, recognising collectives and views, counting bytes,
 looking up process groups, and reordering a graph by priorities.
 
-Imports nothing from autoshard but ``_compat``, ``ops`` and ``batched`` (none imports back), so the cost
+Imports nothing from autoshard but ``_compat``, ``ops``, ``batched`` and ``fake_values`` (none imports back), so the cost
 model, the simulator and the report can use it without an import cycle.
 """
 from __future__ import annotations
 
-import functools
 import heapq
 import operator
 from typing import Any, Iterable, Iterator
@@ -16,9 +15,11 @@ import torch
 import torch.distributed as dist
 from torch import fx
 
-from autoshard._compat import c10d, fake_from_meta, fake_view, optimization_hint, resolve_process_group, unset_fake_temporarily
+from autoshard._compat import c10d, optimization_hint, resolve_process_group
 from autoshard.runtime.batched import calls_of
 from autoshard.runtime.ops import arguments
+
+from .fake_values import fake_value
 
 # The copies bucketing makes opaque (autoshard/runtime/ops.py): one per bucket, unfusable.
 COPY_IN, COPY_OUT = torch.ops.autoshard.copy_in.default, torch.ops.autoshard.copy_out.default
@@ -33,58 +34,18 @@ def val(node: Any) -> Any:
     return node.meta["val"] if isinstance(node, fx.Node) else node
 
 
-def _static(v: torch.Tensor) -> bool:
-    return all(isinstance(s, int) for s in (*v.shape, *v.stride()))
-
-
-def _to_meta(v: Any) -> Any:
-    if isinstance(v, torch.Tensor) and v.device.type != "meta":
-        return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta")
-    return v
-
-
-@functools.cache
-def _how(target: Any) -> str:
-    """How :func:`call` computes ``target``'s fake value: ``"view"`` (a view op returning one
-    tensor: on its input's storage), ``"new"`` (returns new tensors: their meta kernel) or
-    ``"fake"`` (in-place ops, anything else: the fake mode's own dispatch)."""
-    schema = getattr(target, "_schema", None)
-    if schema is None:
-        return "fake"
-    aliased = [r.alias_info is not None for r in schema.returns]
-    if getattr(target, "is_view", False) and aliased == [True] and str(schema.returns[0].type) == "Tensor":
-        return "view"
-    return "fake" if any(aliased) else "new"
-
-
-def _on_meta_device(target: Any, args: tuple) -> Any:
-    with unset_fake_temporarily():  # the compile's fake mode would turn meta tensors into fake ones
-        return target(*fx.node.map_aggregate(args, _to_meta))
-
-
 def call(graph: fx.Graph, target: Any, *args: Any) -> fx.Node:
     """Insert ``target(*args)`` at the graph's insertion point, with its fake value in
     ``meta["val"]`` so the partitioner and Inductor see shapes as for a traced node.
 
-    The passes insert thousands of nodes per graph, so for static shapes the value comes from
-    the op's meta kernel, as the fake mode computes it but without its dispatch (a fifth of
-    the time); views share their input's storage, as fake views do."""
+    The passes insert thousands of nodes per graph: the value is computed without the fake
+    mode's dispatch where shapes are static (:func:`fake_values.fake_value`)."""
     node = graph.call_function(target, args)
     if target is operator.getitem:  # one output of a node that returns several
         node.meta["val"] = val(args[0])[args[1]]
         return node
     # map_arg, not a pytree map: it visits only the nodes.
-    fake_args = fx.node.map_arg(args, val)
-    inputs = [v for v in map(val, node.all_input_nodes) if isinstance(v, torch.Tensor)]
-    fake, device, how = inputs[0].fake_mode, inputs[0].device, _how(target)
-    if how == "fake" or not all(map(_static, inputs)):
-        with fake:
-            node.meta["val"] = target(*fake_args)
-    elif how == "view":
-        node.meta["val"] = fake_view(fake, target, fake_args, device)
-    else:
-        wrap = lambda t: fake_from_meta(fake, t, device) if isinstance(t, torch.Tensor) else t  # noqa: E731
-        node.meta["val"] = fx.node.map_aggregate(_on_meta_device(target, fake_args), wrap)
+    node.meta["val"] = fake_value(target, fx.node.map_arg(args, val))
     return node
 
 
