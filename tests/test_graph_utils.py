@@ -1,8 +1,9 @@
 """graph_utils.call: the fake value of an inserted node is what the fake mode would compute.
 
 The passes insert thousands of nodes, so ``call`` takes a view's value from its meta kernel on
-the input's own storage and a new tensor's from its meta kernel, not from the fake mode's
-dispatch; these tests compare both against that dispatch.
+the input's own storage and a new tensor's from its meta kernel, run once per signature
+(passes/fake_values.py), not from the fake mode's dispatch; these tests compare both against
+that dispatch.
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from torch import fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from autoshard._compat import FakeTensor, FakeTensorMode
-from autoshard.passes.graph_utils import call
+from autoshard.passes.graph_utils import COPY_OUT, call
 
 aten = torch.ops.aten
 
@@ -59,3 +60,26 @@ def test_new_tensors_have_the_fake_modes_metadata_and_their_own_storage():
         _same_metadata(node.meta["val"], expected)
         assert all(StorageWeakRef(node.meta["val"].untyped_storage()) != StorageWeakRef(n.meta["val"].untyped_storage())
                    for n in (x, y)), target
+
+
+def test_a_remembered_layout_is_a_new_tensor_each_time_and_tells_arguments_apart():
+    graph, (x, y), mode = _graph((8, 6), (4, 6))
+    gather = torch.ops._c10d_functional.all_gather_into_tensor.default
+    cases = [
+        (aten.cat.default, ([x, y],)), (aten.cat.default, ([y, y], 1)),
+        (torch.ops.prims.convert_element_type.default, (x, torch.bfloat16)),
+        (torch.ops.prims.convert_element_type.default, (x, torch.float16)),
+        (aten.constant_pad_nd.default, (y, [0, 0, 0, 4], 0.0)), (aten.constant_pad_nd.default, (y, [0, 0, 0, 2], 0.0)),
+        (gather, (x, 4, "0")), (gather, (x, 2, "0")), (COPY_OUT, (x, 2, [6, 18])), (COPY_OUT, (x, 4, [6, 6])),
+    ]
+    for target, args in cases + cases:  # the second round takes remembered layouts
+        first, second = call(graph, target, *args), call(graph, target, *args)
+        fake_args = fx.node.map_arg(args, lambda n: n.meta["val"])
+        with mode:
+            expected = target(*fake_args)
+        for found in (first.meta["val"], second.meta["val"]):
+            for f, e in zip(*(v if isinstance(v, list) else [v] for v in (found, expected)), strict=True):
+                _same_metadata(f, e)
+        outputs = [t for n in (first, second, x, y) for t in (n.meta["val"] if isinstance(n.meta["val"], list) else [n.meta["val"]])]
+        storages = {StorageWeakRef(t.untyped_storage()) for t in outputs}
+        assert len(storages) == len(outputs), f"{target}: a result shares storage with another"
