@@ -30,7 +30,7 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from autoshard._compat import c10d
+from autoshard._compat import c10d, new_empty
 
 
 def arguments(op: torch._ops.OpOverload, args: Sequence[Any], kwargs: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -105,7 +105,7 @@ def unshard(  # one line per group of arguments (see the module docstring)
 
 @unshard.register_fake
 def _unshard_fake(shard, group_name, world_size, dim0, reshard, name, sink, param_dtype, reduce_dtype, replica_group, replicas):
-    return shard.new_empty((dim0, *shard.shape[1:]), dtype=param_dtype or shard.dtype)
+    return new_empty(shard, (dim0, *shard.shape[1:]), param_dtype or shard.dtype)
 
 
 @torch.library.custom_op("autoshard::reduce_grad", mutates_args=())
@@ -126,7 +126,7 @@ def reduce_grad(
 
 @reduce_grad.register_fake
 def _reduce_grad_fake(grad, group_name, world_size, shard_rows, name, reduce_dtype, out_dtype, replica_group, replicas):
-    return grad.new_empty((shard_rows, *grad.shape[1:]), dtype=out_dtype)
+    return new_empty(grad, (shard_rows, *grad.shape[1:]), out_dtype)
 
 
 def _sink_grad(ctx, grad: torch.Tensor) -> torch.Tensor | None:
