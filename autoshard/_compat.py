@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import inspect
 import operator
 import sys
@@ -13,8 +14,6 @@ import torch
 import torch._dynamo
 import torch._functorch.config as functorch_config
 import torch._inductor.config as inductor_config
-import torch._inductor.fx_passes.overlap_preserving_bucketer as overlap_bucketer
-import torch._inductor.fx_passes.overlap_scheduling as overlap_scheduling
 import torch.utils._runtime_estimation as runtime_estimation
 from torch._dispatch.python import no_python_dispatcher
 from torch._dynamo import lookup_backend
@@ -23,8 +22,6 @@ from torch._dynamo.symbolic_convert import InstructionTranslator
 from torch._dynamo.utils import counters as dynamo_counters
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._guards import detect_fake_mode
-from torch._inductor.compile_fx import compile_fx, compile_fx_inner
-from torch._inductor.fx_passes.memory_estimator import MemoryTracker
 from torch._inductor.utils import run_and_get_code
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, in_kernel_invocation_manager, unset_fake_temporarily
 from torch.distributed.distributed_c10d import _get_default_store as default_store
@@ -262,6 +259,28 @@ DCP_METADATA_CLASSES = {
 
 # PyTorch's FX overlap scheduler + bucketer (schedule "inductor", a baseline), run on CPU graphs.
 
+# Inductor's compiler and this scheduler take ~1.5 s to import, which a user of aot_eager (and
+# every rank a test spawns) never needs: their modules are imported when first used.
+
+
+def _scheduling() -> Any:
+    return importlib.import_module("torch._inductor.fx_passes.overlap_scheduling")
+
+
+def _bucketer() -> Any:
+    return importlib.import_module("torch._inductor.fx_passes.overlap_preserving_bucketer")
+
+
+def compile_fx(*args: Any, **kwargs: Any) -> Any:
+    """``torch._inductor.compile_fx.compile_fx``, imported when first called."""
+    return importlib.import_module("torch._inductor.compile_fx").compile_fx(*args, **kwargs)
+
+
+def compile_fx_inner(*args: Any, **kwargs: Any) -> Any:
+    """``torch._inductor.compile_fx.compile_fx_inner``, imported when first called."""
+    return importlib.import_module("torch._inductor.compile_fx").compile_fx_inner(*args, **kwargs)
+
+
 # Where its roofline estimate reads the device's memory bandwidth (it evaluates the roofline for
 # every compute node even when a custom estimate replaces it). torch 2.11 and 2.13 call
 # get_gpu_dram_gbps(), which asks Triton and so needs CUDA; torch 2.15 renamed it
@@ -271,7 +290,8 @@ _DRAM_GBPS = "get_device_dram_gbps" if hasattr(runtime_estimation, "get_device_d
 # torch 2.13 added schedule_overlap_bucketing(compute_estimator=...); torch 2.11 always
 # "benchmarks" compute nodes, through a cache on disk (keyed by op and shapes, kept across
 # processes) that it reads *before* the custom estimate, so an earlier run's figures would win.
-_HAS_COMPUTE_ESTIMATOR = "compute_estimator" in inspect.signature(overlap_scheduling.schedule_overlap_bucketing).parameters
+def _has_compute_estimator() -> bool:
+    return "compute_estimator" in inspect.signature(_scheduling().schedule_overlap_bucketing).parameters
 
 # torch 2.13 added this switch (the bucketer checks its ordering-only edges for cycles and,
 # when on, drops the edges that close one); torch 2.11 has neither the check nor the switch,
@@ -283,11 +303,13 @@ _HAS_AUTOFIX_CYCLES = hasattr(inductor_config.aten_distributed_optimizations, _A
 # (group, reduce op, dtype) for reduce-scatters and all-reduces alike, so a 0-d parameter's
 # all-reduce could join a reduce-scatter bucket (an AssertionError in merge_reduce_scatter_bucket).
 # torch 2.13 groups by (collective type, bucket_key) and no longer imports bucket_key there.
-_UNTYPED_BUCKET_KEY = getattr(overlap_bucketer, "bucket_key", None)
+@functools.cache  # first read before any patch: the original
+def _untyped_bucket_key() -> Callable | None:
+    return getattr(_bucketer(), "bucket_key", None)
 
 
 def _typed_bucket_key(node: torch.fx.Node, mode: Any = None) -> object | None:
-    key = _UNTYPED_BUCKET_KEY(node, mode)
+    key = _untyped_bucket_key()(node, mode)
     return None if key is None else (node.target, key)
 
 
@@ -295,7 +317,7 @@ def _uncached_estimate(node: torch.fx.Node, custom_runtime_estimation: Any = Non
     # torch 2.11's benchmark_node_with_cache_key as torch 2.13's compute_estimator="analytical"
     # behaves: the custom estimate, else the analytical one; no cache key, so nothing is cached.
     est = None if custom_runtime_estimation is None else custom_runtime_estimation(node, None)
-    return (overlap_scheduling.estimate_runtime_analytical(node) if est is None else est), None
+    return (_scheduling().estimate_runtime_analytical(node) if est is None else est), None
 
 
 def _roofline_ms(node: torch.fx.Node) -> float:
@@ -369,14 +391,14 @@ def _patched_attributes() -> list[tuple[Any, str]]:
     points = [
         (runtime_estimation, _DRAM_GBPS),
         (runtime_estimation, "get_device_tflops"),
-        (overlap_scheduling, "MemoryTracker"),
+        (_scheduling(), "MemoryTracker"),
     ]
-    if not _HAS_COMPUTE_ESTIMATOR:
-        points += [(overlap_scheduling, "benchmark_node_with_cache_key"), (overlap_scheduling, "estimate_runtime_analytical")]
+    if not _has_compute_estimator():
+        points += [(_scheduling(), "benchmark_node_with_cache_key"), (_scheduling(), "estimate_runtime_analytical")]
     if not _HAS_AUTOFIX_CYCLES:
-        points.append((overlap_bucketer.OverlapPreservingBucketer, "_apply_deps_and_effect_tokens"))
-    if _UNTYPED_BUCKET_KEY is not None:
-        points.append((overlap_bucketer, "bucket_key"))
+        points.append((_bucketer().OverlapPreservingBucketer, "_apply_deps_and_effect_tokens"))
+    if _untyped_bucket_key() is not None:
+        points.append((_bucketer(), "bucket_key"))
     return points
 
 
@@ -396,12 +418,16 @@ def patch_overlap_scheduler(dram_gbps: float, tflops: float) -> Iterator[None]:
     backward graphs; torch 2.13+ asks for a report and offers a switch that does this; on 2.11
     we do it; data dependencies are never dropped, so the graph stays valid); a bucket holds one
     kind of collective (torch 2.11 could mix all-reduces into reduce-scatter buckets)."""
+    from torch._inductor.fx_passes.memory_estimator import MemoryTracker
+
+    overlap_scheduling, overlap_bucketer = _scheduling(), _bucketer()
+    _untyped_bucket_key()  # the original, read before it is patched
     with contextlib.ExitStack() as stack:
         stack.enter_context(mock.patch.object(runtime_estimation, _DRAM_GBPS, lambda *args, **kwargs: dram_gbps))
         stack.enter_context(mock.patch.object(runtime_estimation, "get_device_tflops", lambda *args, **kwargs: tflops))
         cpu_too = functools.partial(MemoryTracker, device_filter=lambda device: True)
         stack.enter_context(mock.patch.object(overlap_scheduling, "MemoryTracker", cpu_too))
-        if not _HAS_COMPUTE_ESTIMATOR:
+        if not _has_compute_estimator():
             stack.enter_context(mock.patch.object(overlap_scheduling, "benchmark_node_with_cache_key", _uncached_estimate))
             stack.enter_context(mock.patch.object(overlap_scheduling, "estimate_runtime_analytical", _roofline_ms))
             # torch 2.11 all-gathers estimates inside the compiler (it hung CI); ours agree by construction.
@@ -414,7 +440,7 @@ def patch_overlap_scheduler(dram_gbps: float, tflops: float) -> Iterator[None]:
             bucketer = overlap_bucketer.OverlapPreservingBucketer
             apply = _apply_deps_without_cycles(bucketer._apply_deps_and_effect_tokens)
             stack.enter_context(mock.patch.object(bucketer, "_apply_deps_and_effect_tokens", apply))
-        if _UNTYPED_BUCKET_KEY is not None:
+        if _untyped_bucket_key() is not None:
             stack.enter_context(mock.patch.object(overlap_bucketer, "bucket_key", _typed_bucket_key))
         yield
 
@@ -434,7 +460,7 @@ def wrap_compile_phases(wrap: Callable[[Callable, str], Callable]) -> Iterator[N
     by ``wrap(function, phase)`` for the duration of the block."""
     with contextlib.ExitStack() as stack:
         for name, (home, phase) in COMPILE_PHASE_FUNCTIONS.items():
-            original = getattr(sys.modules[home], name)
+            original = getattr(importlib.import_module(home), name)
             wrapped = wrap(original, phase)
             for module in list(sys.modules.values()):
                 if getattr(module, name, None) is original:
@@ -445,6 +471,7 @@ def wrap_compile_phases(wrap: Callable[[Callable, str], Callable]) -> Iterator[N
 def schedule_overlap_bucketing(gm: torch.fx.GraphModule, **kwargs: Any) -> torch.fx.GraphModule:
     """``torch._inductor.fx_passes.overlap_scheduling.schedule_overlap_bucketing`` with the
     keyword arguments torch 2.13 takes, on every supported torch."""
+    overlap_scheduling = _scheduling()
     params = inspect.signature(overlap_scheduling.schedule_overlap_bucketing).parameters
     if "compute_estimator" not in params:
         # torch 2.11: "analytical" is what patch_overlap_scheduler makes of its benchmarking.
