@@ -111,7 +111,9 @@ class _Graph:
         return next(hides, max_prefetch)
 
     def priorities(self, plan: SchedulePlan) -> dict[fx.Node, float]:
-        priority: dict[fx.Node, float] = {n: float(p) for n, p in self.pos.items()}
+        """Where the plan puts the nodes it moves; the others keep their positions."""
+        pos = self.pos
+        priority: dict[fx.Node, float] = {}
         for j, (g, d) in enumerate(zip(self.gathers, plan.distances)):
             # At one point, the wait of the bucket used there comes first, then the issues (in
             # bucket order): the comm stream runs them one after another anyway, and a gather
@@ -125,15 +127,15 @@ class _Graph:
         end = float(len(self.pos))
         for reduces, issues, outputs_by_reduce in zip(self.reduce_kinds, self.reduce_issue, self.reduce_outputs):
             for issue in issues:  # inputs already rescheduled (a reduce-scatter's wait) count where they now are
-                ready = max((priority[a] for n in issue for a in n.all_input_nodes if a not in issue), default=0)
+                ready = max((priority.get(a, pos[a]) for n in issue for a in n.all_input_nodes if a not in issue), default=0)
                 for n in issue:
                     priority[n] = ready + 0.5
             for j, outputs in enumerate(outputs_by_reduce):
                 later = j + plan.reduces_in_flight
                 if plan.reduces_in_flight == 0:  # waited as soon as it is issued: nothing in flight
-                    wait_at = priority[reduces[j]] + 0.01
+                    wait_at = priority.get(reduces[j], pos[reduces[j]]) + 0.01
                 else:
-                    wait_at = priority[reduces[later]] - 0.25 if later < len(reduces) else end
+                    wait_at = priority.get(reduces[later], pos[reduces[later]]) - 0.25 if later < len(reduces) else end
                 for n in outputs:
                     priority[n] = wait_at
         return priority
@@ -242,7 +244,8 @@ def schedule_overlap(
         order = ordering.indices(priority)
         peak, at = memory(tuple(late), ws).peak(order)
         seconds = timed.time(order)
-        return replace(plan, peak_bytes=peak + outside_bytes, step_time=seconds, peak_at=priority[nodes[order[at]]] if order else 0.0)
+        peak_at = priority.get(nodes[order[at]], float(order[at])) if order else 0.0  # an unmoved node: its position
+        return replace(plan, peak_bytes=peak + outside_bytes, step_time=seconds, peak_at=peak_at)
 
     plan = SchedulePlan(tuple(fast), max_reduces_in_flight, blocked=(True,) * len(fast) if blocking else ())
     budget = memory_budget_bytes
