@@ -15,6 +15,7 @@ from .graph_utils import (
     COPY_OUT,
     GATHERED,
     PARAMS,
+    Replacer,
     call,
     collectives,
     exclusive_inputs,
@@ -117,7 +118,8 @@ def _flat_view(graph: fx.Graph, x: fx.Node, shape: list[int]) -> fx.Node:
 
 
 def _bucket_gathers(
-    graph: fx.Graph, gathers: list[fx.Node], pos: dict[fx.Node, int], priority: dict[fx.Node, float], opaque: bool
+    graph: fx.Graph, gathers: list[fx.Node], pos: dict[fx.Node, int], priority: dict[fx.Node, float], opaque: bool,
+    replacer: Replacer,
 ) -> None:
     world, group = gathers[0].args[1:]
     inputs = [g.args[0] for g in gathers]
@@ -136,7 +138,7 @@ def _bucket_gathers(
     for n in issue_inputs(flat) + [flat, gather]:
         priority[n] = start
     if opaque:
-        _copy_out(graph, gathers, wait, by_rank, pos, priority)
+        _copy_out(graph, gathers, wait, by_rank, pos, priority, replacer)
         return
     offset = 0
     for g, x, n in zip(gathers, inputs, sizes):
@@ -149,14 +151,13 @@ def _bucket_gathers(
         for node in (wait, by_rank, part, copy, full):
             priority.setdefault(node, pos[old_wait])
         offset += n
-        old_wait.replace_all_uses_with(full)
-        graph.erase_node(old_wait)
-        graph.erase_node(g)
+        replacer.replace(old_wait, full)
+        replacer.erase(g)
 
 
 def _copy_out(
     graph: fx.Graph, gathers: list[fx.Node], wait: fx.Node, by_rank: fx.Node, pos: dict[fx.Node, int],
-    priority: dict[fx.Node, float],
+    priority: dict[fx.Node, float], replacer: Replacer,
 ) -> None:
     """Every parameter of the bucket copied out of ``by_rank`` at once, where the first is
     used, each taken out of the result right there (so the list holds none of them longer)."""
@@ -173,13 +174,13 @@ def _copy_out(
         with graph.inserting_before(old_wait):
             full = call(graph, aten.view.default, part, [world * shape[0], *shape[1:]])
         priority.setdefault(full, pos[old_wait])
-        old_wait.replace_all_uses_with(full)
-        graph.erase_node(old_wait)
-        graph.erase_node(g)
+        replacer.replace(old_wait, full)
+        replacer.erase(g)
 
 
 def _bucket_reduces(
-    graph: fx.Graph, reduces: list[fx.Node], pos: dict[fx.Node, int], priority: dict[fx.Node, float], opaque: bool
+    graph: fx.Graph, reduces: list[fx.Node], pos: dict[fx.Node, int], priority: dict[fx.Node, float], opaque: bool,
+    replacer: Replacer,
 ) -> None:
     op, world, group = reduces[0].args[1:]
     last = reduces[-1]
@@ -195,11 +196,12 @@ def _bucket_reduces(
     for n in exclusive_inputs(reduce) + [reduce]:
         priority[n] = pos[last]
     priority[wait] = pos[wait_of(last)]
-    _slice_back(graph, wait, reduces, priority, lambda _: pos[wait_of(last)])
+    _slice_back(graph, wait, reduces, priority, lambda _: pos[wait_of(last)], replacer)
 
 
 def _bucket_all_reduces(
-    graph: fx.Graph, reduces: list[fx.Node], pos: dict[fx.Node, int], priority: dict[fx.Node, float], opaque: bool
+    graph: fx.Graph, reduces: list[fx.Node], pos: dict[fx.Node, int], priority: dict[fx.Node, float], opaque: bool,
+    replacer: Replacer,
 ) -> None:
     op, group = reduces[0].args[1:]
     last = reduces[-1]
@@ -214,11 +216,12 @@ def _bucket_all_reduces(
     for n in exclusive_inputs(reduce) + [reduce]:
         priority[n] = pos[last]
     priority[wait] = pos[wait_of(last)]
-    _slice_back(graph, wait, reduces, priority, lambda old_wait: pos[old_wait])
+    _slice_back(graph, wait, reduces, priority, lambda old_wait: pos[old_wait], replacer)
 
 
 def _slice_back(
-    graph: fx.Graph, wait: fx.Node, members: list[fx.Node], priority: dict[fx.Node, float], at: Callable[[fx.Node], float]
+    graph: fx.Graph, wait: fx.Node, members: list[fx.Node], priority: dict[fx.Node, float], at: Callable[[fx.Node], float],
+    replacer: Replacer,
 ) -> None:
     """Replace each member's wait by its slice of the flat result ``wait`` (members laid out
     one after another), placed at ``at(old wait)``; erase the members."""
@@ -231,9 +234,8 @@ def _slice_back(
             part = call(graph, aten.view.default, call(graph, aten.slice.Tensor, wait, 0, offset, offset + n), shape)
         priority[part] = priority[part.args[0]] = at(old_wait)
         offset += n
-        old_wait.replace_all_uses_with(part)
-        graph.erase_node(old_wait)
-        graph.erase_node(r)
+        replacer.replace(old_wait, part)
+        replacer.erase(r)
 
 
 # Rewritten in this order: all-reduces may take reduce-scatters' results (hybrid sharding).
@@ -275,11 +277,13 @@ def bucket_collectives(gm: fx.GraphModule, bucket_mb: float | None = None, opaqu
     graph = gm.graph
     pos = positions(graph.nodes)  # priorities refer to the order before any rewrite
     priority: dict[fx.Node, float] = {}
+    replacer = Replacer(graph)
     # Planned before any rewrite: a rewrite leaves the other kinds' collectives as they are.
     for op, buckets in planned_buckets(graph, bucket_mb).items():
         for bucket in buckets:
             if len(bucket) > 1:
-                _REWRITES[op](graph, bucket, pos, priority, opaque_copies)
+                _REWRITES[op](graph, bucket, pos, priority, opaque_copies, replacer)
+    replacer.finish()
     for node in graph.nodes:
         priority.setdefault(node, pos.get(node, 0.0))
     return reorder(gm, priority)

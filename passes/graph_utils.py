@@ -49,6 +49,52 @@ def call(graph: fx.Graph, target: Any, *args: Any) -> fx.Node:
     return node
 
 
+class Replacer:
+    """Replace nodes by others in a pass, the graph's output last.
+
+    The output of a backward graph reads hundreds of nodes (every gradient), and replacing
+    one of them re-reads all of the output's arguments: a pass replacing each parameter's
+    node one at a time was quadratic in parameters. Here every other use changes at once;
+    the output's, for all replacements together, in :meth:`finish`, which then erases what
+    was replaced (a node only the output read stays in the graph until then)."""
+
+    def __init__(self, graph: fx.Graph) -> None:
+        self.graph, self.output = graph, graph.output_node()
+        self._later: dict[fx.Node, fx.Node] = {}  # what the output reads -> its replacement
+        self._targets: set[fx.Node] = set()  # those replacements
+        self._erase: list[fx.Node] = []
+
+    def replace(self, old: fx.Node, new: fx.Node) -> None:
+        """Every use of ``old`` becomes ``new``, and ``old`` is erased."""
+        old.replace_all_uses_with(new, delete_user_cb=lambda user: user is not self.output)
+        if old.users or old in self._targets:  # the output reads it, now or after finish()
+            self._later[old] = new
+            self._targets.add(new)
+        self.erase(old)
+
+    def erase(self, node: fx.Node) -> None:
+        """Erase ``node``: now, or in :meth:`finish` when a node erased there still uses it."""
+        if node.users:
+            self._erase.append(node)
+        else:
+            self.graph.erase_node(node)
+
+    def finish(self) -> None:
+        """Point the output at the replacements (followed through chains) and erase the rest."""
+        if not self._later:
+            return
+
+        def new(n: fx.Node) -> fx.Node:
+            while n in self._later:
+                n = self._later[n]
+            return n
+
+        self.output.args = fx.node.map_arg(self.output.args, new)
+        for n in self._erase:
+            self.graph.erase_node(n)
+        self._later, self._targets, self._erase = {}, set(), []
+
+
 def is_op(node: fx.Node, op: Any) -> bool:
     """Whether ``node`` calls ``op`` (an OpOverloadPacket or OpOverload)."""
     return node.op == "call_function" and (node.target is op or getattr(node.target, "overloadpacket", None) is op)

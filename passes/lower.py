@@ -7,7 +7,7 @@ from torch import fx
 from autoshard._compat import c10d, must_recompute
 from autoshard.runtime.ops import chunk_rows
 
-from .graph_utils import PARAMS, arg, call, is_op, is_view, named_args, val
+from .graph_utils import PARAMS, Replacer, arg, call, is_op, is_view, named_args, val
 
 aten = torch.ops.aten
 annotations = torch.ops.autoshard
@@ -122,6 +122,7 @@ def lower_annotations(gm: fx.GraphModule, reshard_after_forward: bool | None = N
     if not any(graph.find_nodes(op="call_function", target=getattr(annotations, name).default)
                for name in ("unshard", "reduce_grad", "all_reduce_grad", "replicate")):
         return gm  # already lowered (the partitioned graphs of a joint graph): no lint, no recompile
+    replacer = Replacer(graph)
     for i, node in enumerate(list(graph.nodes)):
         if node.op != "call_function":
             continue
@@ -139,11 +140,11 @@ def lower_annotations(gm: fx.GraphModule, reshard_after_forward: bool | None = N
                 out = _cast(graph, arg(node, "tensor"), arg(node, "param_dtype"))
             else:
                 continue
-        node.replace_all_uses_with(out)
-        graph.erase_node(node)
+        replacer.replace(node, out)
         if recompute:
             for n in recompute + _view_chain(out):
                 must_recompute(n, _AC_GRAPH_ID_BASE + i)
+    replacer.finish()
     graph.lint()
     gm.recompile()
     return gm

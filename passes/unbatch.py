@@ -8,7 +8,7 @@ from torch import fx
 
 from autoshard.runtime.batched import calls_of
 
-from .graph_utils import arg, is_op
+from .graph_utils import Replacer, arg, is_op
 
 annotations = torch.ops.autoshard
 
@@ -44,6 +44,7 @@ def unbatch_annotations(gm: fx.GraphModule) -> fx.GraphModule:
     if not batches:
         return gm
     order = {n: i for i, n in enumerate(graph.nodes)}
+    replacer = Replacer(graph)
     for batch in batches:
         forward = is_op(batch, annotations.unshard_all)
         tensors, calls = arg(batch, "tensors" if forward else "grads"), calls_of(arg(batch, "key"))
@@ -60,9 +61,11 @@ def unbatch_annotations(gm: fx.GraphModule) -> fx.GraphModule:
                 with where:
                     single = graph.call_function(op, (tensor, *rest))
                 single.meta.update(item.meta)  # the traced output's value (and stack) are the op's
-                item.replace_all_uses_with(single)
-            graph.erase_node(item)
-        graph.erase_node(batch)
+                replacer.replace(item, single)
+            else:
+                replacer.erase(item)
+        replacer.erase(batch)
+    replacer.finish()
     graph.lint()
     gm.recompile()
     return gm

@@ -12,7 +12,7 @@ from torch import fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from autoshard._compat import FakeTensor, FakeTensorMode
-from autoshard.passes.graph_utils import COPY_OUT, call
+from autoshard.passes.graph_utils import COPY_OUT, Replacer, call
 
 aten = torch.ops.aten
 
@@ -83,3 +83,46 @@ def test_a_remembered_layout_is_a_new_tensor_each_time_and_tells_arguments_apart
         outputs = [t for n in (first, second, x, y) for t in (n.meta["val"] if isinstance(n.meta["val"], list) else [n.meta["val"]])]
         storages = {StorageWeakRef(t.untyped_storage()) for t in outputs}
         assert len(storages) == len(outputs), f"{target}: a result shares storage with another"
+
+
+def test_replacer_rewrites_the_output_once_and_erases_what_it_replaced():
+    """Drawn (``a``, ``b`` read by the output and by ``mul``; ``c`` by the output only)::
+
+        a = x + 1; b = a * 2; c = relu(b); mul = b * b     output(a, c, mul, b)
+        replace a -> a2, b -> b2, then b2 -> b3 (a chain), c -> c2
+
+    Uses other than the output's change at once; the output's, followed through the chain,
+    and the erasures happen in finish(): until then a node only the output reads stays."""
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    a = graph.call_function(torch.add, (x, 1))
+    b = graph.call_function(torch.mul, (a, 2))
+    c = graph.call_function(torch.relu, (b,))
+    mul = graph.call_function(torch.mul, (b, b))
+    graph.output((a, c, mul, b))
+    with graph.inserting_before(a):  # the new nodes read only x
+        a2 = graph.call_function(torch.sub, (x, 1))
+        b2 = graph.call_function(torch.neg, (x,))
+        b3 = graph.call_function(torch.abs, (x,))
+        c2 = graph.call_function(torch.sigmoid, (x,))
+
+    replacer = Replacer(graph)
+    replacer.replace(a, a2)
+    assert b.args == (a2, 2) and a in graph.nodes  # the output still reads a
+    replacer.replace(b, b2)
+    assert c.args == (b2,) and mul.args == (b2, b2)
+    replacer.replace(b2, b3)  # a replacement replaced again
+    replacer.replace(c, c2)
+    assert graph.output_node().args == ((a, c, mul, b),)
+    replacer.finish()
+    assert graph.output_node().args == ((a2, c2, mul, b3),)
+    assert mul.args == (b3, b3)
+    assert not {a, b, b2, c} & set(graph.nodes)
+    graph.lint()
+    gm = fx.GraphModule(torch.nn.Module(), graph)
+    t = torch.tensor([-2.0, 3.0])
+    out = gm(t)
+    torch.testing.assert_close(out[0], t - 1)
+    torch.testing.assert_close(out[1], torch.sigmoid(t))
+    torch.testing.assert_close(out[2], t.abs() * t.abs())
+    torch.testing.assert_close(out[3], t.abs())
