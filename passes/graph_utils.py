@@ -80,16 +80,16 @@ class Replacer:
             self.graph.erase_node(node)
 
     def finish(self) -> None:
-        """Point the output at the replacements (followed through chains) and erase the rest."""
-        if not self._later:
-            return
+        """Point the output at the replacements (followed through chains) and erase what
+        waited for it; a node some other node still uses fails here, not silently later."""
 
         def new(n: fx.Node) -> fx.Node:
             while n in self._later:
                 n = self._later[n]
             return n
 
-        self.output.args = fx.node.map_arg(self.output.args, new)
+        if self._later:
+            self.output.args = fx.node.map_arg(self.output.args, new)
         for n in self._erase:
             self.graph.erase_node(n)
         self._later, self._targets, self._erase = {}, set(), []

@@ -1,4 +1,5 @@
-"""graph_utils.call: the fake value of an inserted node is what the fake mode would compute.
+"""graph_utils.call: the fake value of an inserted node is what the fake mode would compute;
+graph_utils.Replacer: the output rewritten once per pass.
 
 The passes insert thousands of nodes, so ``call`` takes a view's value from its meta kernel on
 the input's own storage and a new tensor's from its meta kernel, run once per signature
@@ -126,3 +127,22 @@ def test_replacer_rewrites_the_output_once_and_erases_what_it_replaced():
     torch.testing.assert_close(out[1], torch.sigmoid(t))
     torch.testing.assert_close(out[2], t.abs() * t.abs())
     torch.testing.assert_close(out[3], t.abs())
+
+
+def test_replacer_refuses_to_erase_a_node_still_in_use():
+    """``erase`` of a node another node still reads is deferred to finish(), which must fail
+    rather than leave the node in the graph unnoticed."""
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    a = graph.call_function(torch.neg, (x,))
+    b = graph.call_function(torch.abs, (a,))
+    graph.output((b,))
+    replacer = Replacer(graph)
+    replacer.erase(a)  # b still reads it: nothing the output waits for will free it
+    assert a in graph.nodes
+    try:
+        replacer.finish()
+    except RuntimeError as e:
+        assert "users" in str(e)
+    else:
+        raise AssertionError("finish() left a node in use in the graph without an error")
