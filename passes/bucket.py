@@ -111,10 +111,19 @@ def plan_buckets(nodes: Sequence[fx.Node], bucket_bytes: int | None = None) -> l
     return result
 
 
+def _view(graph: fx.Graph, x: fx.Node, shape: list[int]) -> fx.Node:
+    """``x`` viewed as ``shape`` (one -1 allowed), or ``x`` itself where it has that shape
+    already (a 1-D shard or gradient): a no-op view is a node every later pass would walk."""
+    have = list(val(x).shape)
+    if len(have) == len(shape) and all(s in (-1, h) for s, h in zip(shape, have)):
+        return x
+    return call(graph, aten.view.default, x, shape)
+
+
 def _flat_view(graph: fx.Graph, x: fx.Node, shape: list[int]) -> fx.Node:
     if not val(x).is_contiguous():
         x = call(graph, aten.clone.default, x)
-    return call(graph, aten.view.default, x, shape)
+    return _view(graph, x, shape)
 
 
 def _bucket_gathers(
@@ -146,7 +155,7 @@ def _bucket_gathers(
         with graph.inserting_before(old_wait):
             part = call(graph, aten.slice.Tensor, by_rank, 1, offset, offset + n)
             copy = call(graph, aten.clone.default, part)
-            full = call(graph, aten.view.default, copy, [world * val(x).shape[0], *val(x).shape[1:]])
+            full = _view(graph, copy, [world * val(x).shape[0], *val(x).shape[1:]])
         copy.meta[GATHERED] = True
         for node in (wait, by_rank, part, copy, full):
             priority.setdefault(node, pos[old_wait])
@@ -172,7 +181,7 @@ def _copy_out(
         part.meta[GATHERED] = True
         old_wait, shape = wait_of(g), val(g.args[0]).shape
         with graph.inserting_before(old_wait):
-            full = call(graph, aten.view.default, part, [world * shape[0], *shape[1:]])
+            full = _view(graph, part, [world * shape[0], *shape[1:]])
         priority.setdefault(full, pos[old_wait])
         replacer.replace(old_wait, full)
         replacer.erase(g)
@@ -231,8 +240,9 @@ def _slice_back(
         shape = list(val(old_wait).shape)
         n = math.prod(shape)
         with graph.inserting_before(old_wait):
-            part = call(graph, aten.view.default, call(graph, aten.slice.Tensor, wait, 0, offset, offset + n), shape)
-        priority[part] = priority[part.args[0]] = at(old_wait)
+            sliced = call(graph, aten.slice.Tensor, wait, 0, offset, offset + n)
+            part = _view(graph, sliced, shape)
+        priority[part] = priority[sliced] = at(old_wait)
         offset += n
         replacer.replace(old_wait, part)
         replacer.erase(r)
