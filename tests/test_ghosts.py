@@ -2,6 +2,7 @@
 gathers them with one op, which the joint graph splits back into one op per parameter."""
 from __future__ import annotations
 
+import functools
 import operator
 
 import torch
@@ -63,6 +64,30 @@ def test_ghosts_follow_requires_grad_and_hold_no_memory():
         leaves.synced(found)
         assert not found.ghost.requires_grad and not found.leaf.requires_grad
         assert leaves.ghost_leaves(found.ghost) is found and leaves.ghost_leaves(found.leaf) is None
+
+
+def test_reads_are_ghosts_only_while_gradients_sync_and_switching_back_recompiles_nothing():
+    """A traced read returns the ghost for autoshard's backend with synchronisation on; off,
+    the annotation op per use (its gradient goes to a sink). Each setting compiles once."""
+    from autoshard.compiler.backend import autoshard_backend
+
+    with fake_world(2):
+        model = autoshard.shard(build("mlp"))
+        x = batch("mlp", 0)
+        ghost_inputs: list[int] = []
+
+        @functools.wraps(autoshard_backend)  # keeps the mark that makes reads ghosts
+        def backend(gm, example_inputs):
+            ghost_inputs.append(sum(leaves.ghost_leaves(t) is not None for t in example_inputs))
+            return autoshard_backend(gm, example_inputs, options={"compiler": "aot_eager"})
+
+        compiled = torch.compile(model, backend=backend)
+        for sync in (True, False, True, False):
+            model.set_requires_gradient_sync(sync)
+            compiled(*x).sum().backward()
+        torch._dynamo.reset()
+    params = len(list(model.parameters()))
+    assert ghost_inputs == [params, 0]  # two graphs: every parameter a ghost, then none
 
 
 def _traced_step() -> fx.GraphModule:

@@ -11,8 +11,9 @@ the average over ranks of the sum over micro-batches, exactly as without shardin
 FSDP2's semantics; the memory cost is the same too: one full-size gradient per trainable
 parameter while accumulating.
 
-The flag is a plain Python attribute that the parameter access reads, so Dynamo guards on it:
-a compiled model has exactly two variants (synchronised or not) and switching between them
+The flag is a plain Python attribute that a traced parameter read depends on (through the
+ghost attribute it reads, autoshard.runtime.leaves.show_reads), so Dynamo guards on it: a
+compiled model has exactly two variants (synchronised or not) and switching between them
 recompiles nothing after each has compiled once.
 """
 from __future__ import annotations
@@ -25,7 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from autoshard.runtime import leaves, ops
 
-SYNC = "_autoshard_sync"  # on each module owning sharded parameters: whether backward reduces
+SYNC = leaves.SYNC  # on each module owning sharded parameters: whether backward reduces
 SINKS = "_autoshard_sinks"  # on the same modules: parameter name -> sink tensor
 
 
@@ -123,3 +124,4 @@ def set_requires_gradient_sync(modules: Iterable[nn.Module], requires_gradient_s
             setattr(module, SINKS, sinks)
     for module in owners:
         setattr(module, SYNC, requires_gradient_sync)
+        leaves.show_reads(module)

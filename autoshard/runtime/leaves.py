@@ -133,7 +133,8 @@ def leaf_attribute(name: str) -> str:
 
 
 def ghost_attribute(name: str) -> str:
-    """Where a module keeps the ghost of its sharded parameter ``name`` (see :func:`leaf_attribute`)."""
+    """Where a module keeps what a traced read of its sharded parameter ``name`` returns
+    directly: the ghost while :func:`reads_ghosts`, else None (see :func:`leaf_attribute`)."""
     return f"_autoshard_ghost_{name}"
 
 
@@ -143,10 +144,30 @@ def ghost_leaves(x: Any) -> Leaves | None:
 
 
 CHECK = "_autoshard_check_leaves"  # on each module passed to shard(): see attach_check
-# On each module owning sharded parameters: whether a traced read returns the ghost. Set as
-# Dynamo starts tracing a root's forward (attach_check): only for autoshard's backend, which
-# gathers ghosts (any other would compute with them); a Python constant Dynamo guards on.
+# On each module owning sharded parameters: whether the graph being traced gathers ghosts. Set
+# as Dynamo starts tracing a root's forward (attach_check): only for autoshard's backend (any
+# other would compute with them).
 GHOSTS = "_autoshard_ghosts"
+# On the same modules: whether backward reduces their gradients (autoshard.runtime.grad_sync
+# sets it). Unsynchronised gradients go to sinks, through the annotation op: no ghost.
+SYNC = "_autoshard_sync"
+
+
+def reads_ghosts(module: nn.Module) -> bool:
+    """Whether a traced read of ``module``'s sharded parameters returns their ghosts."""
+    return module.__dict__.get(GHOSTS, False) and module.__dict__.get(SYNC, True)
+
+
+def show_reads(module: nn.Module) -> None:
+    """Point each of ``module``'s ghost attributes at what a traced read returns directly:
+    its ghost where :func:`reads_ghosts`, else None. Called wherever either flag changes.
+
+    The read is one attribute Dynamo guards on, so a change retraces; reading the two flags
+    themselves at every parameter use was half of what a use cost Dynamo beyond a plain
+    parameter (~2,200 Python calls)."""
+    ghosts = reads_ghosts(module)
+    for name, leaves in module.__dict__.get(LEAVES, {}).items():
+        module.__dict__[ghost_attribute(name)] = leaves.ghost if ghosts else None
 
 
 def attach_check(root: nn.Module) -> None:
@@ -160,9 +181,13 @@ def attach_check(root: nn.Module) -> None:
 
     def check(changes_seen: int) -> bool:  # changes_seen: :data:`changes`, for Dynamo's guard
         ghosts = tracing_for_backend()
+        modules = {}
         for module, name in _sharded(owner()):
             synced(leaves_of(module, name))
+            modules[id(module)] = module
+        for module in modules.values():
             module.__dict__[GHOSTS] = ghosts
+            show_reads(module)
         return True
 
     root.__dict__[CHECK] = torch.compiler.assume_constant_result(check)
@@ -226,7 +251,7 @@ def leaves_of(module: nn.Module, name: str) -> Leaves:
         shared = getattr(param, _ON_PARAM, None)
         leaves = table[name] = shared if _current(shared, param) else _build(param, module._autoshard_specs[name])
         module.__dict__[leaf_attribute(name)] = leaves.leaf
-        module.__dict__[ghost_attribute(name)] = leaves.ghost
+        module.__dict__[ghost_attribute(name)] = leaves.ghost if reads_ghosts(module) else None
     return leaves
 
 

@@ -105,6 +105,7 @@ class ShardedModule:
 # Inside parameters_as_shards(): a global, not a module attribute, so that entering and leaving
 # changes nothing Dynamo guards on in a compiled model.
 _as_shards = 0
+_is_compiling = torch.compiler.is_compiling  # a global: one attribute lookup less per traced read
 
 
 def _getter(name: str) -> Callable[[nn.Module], torch.Tensor]:
@@ -113,19 +114,20 @@ def _getter(name: str) -> Callable[[nn.Module], torch.Tensor]:
     reading few attributes (an extra call level, a dict lookup or a call Dynamo runs for real
     each cost a use 1-4 ms to trace)."""
     leaf_attribute, ghost_attribute = leaves.leaf_attribute(name), leaves.ghost_attribute(name)
-    sync, sinks, ghosts = grad_sync.SYNC, grad_sync.SINKS, leaves.GHOSTS
+    sync, sinks = grad_sync.SYNC, grad_sync.SINKS
 
     def get(self: nn.Module) -> torch.Tensor:
+        compiling = _is_compiling()
+        if compiling:
+            # For autoshard's backend, synchronised (leaves.show_reads): a graph input of the
+            # full shape, which the backend gathers (autoshard/compiler/ghosts.py).
+            ghost = getattr(self, ghost_attribute)
+            if ghost is not None and not _as_shards:
+                return ghost
         if _as_shards:
             return self._parameters[name]
-        if torch.compiler.is_compiling():
-            # For autoshard's backend, synchronised (constants Dynamo guards on): a graph input
-            # of the full shape, which the backend gathers (autoshard/compiler/ghosts.py).
-            if getattr(self, ghosts) and getattr(self, sync):
-                return getattr(self, ghost_attribute)
-            leaf = getattr(self, leaf_attribute)  # synced as the root's forward was traced (_checked_forward)
-        else:
-            leaf = leaves.synced(leaves.leaves_of(self, name))
+        # While tracing: synced as the root's forward was traced (_checked_forward).
+        leaf = getattr(self, leaf_attribute) if compiling else leaves.synced(leaves.leaves_of(self, name))
         spec = self._autoshard_specs[name]
         # Python constants that Dynamo guards on: one compiled variant per setting.
         sink = None if getattr(self, sync) or not leaf.requires_grad else getattr(self, sinks)[name]
@@ -430,6 +432,7 @@ def _install(module: nn.Module, owners: Owners, sharded: dict[int, nn.Parameter]
         _reclass(mod)
         setattr(mod, grad_sync.SYNC, getattr(mod, grad_sync.SYNC, True))
         setattr(mod, leaves.GHOSTS, getattr(mod, leaves.GHOSTS, False))  # set as a root's forward is traced
+        leaves.show_reads(mod)
     leaves.attach_check(module)
     _reclass(module)
     if mixed_precision is not None and mixed_precision.param_dtype is not None and mixed_precision.cast_forward_inputs:
