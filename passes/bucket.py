@@ -153,11 +153,11 @@ def _bucket_gathers(
     for g, x, n in zip(gathers, inputs, sizes):
         old_wait = wait_of(g)
         with graph.inserting_before(old_wait):
-            part = call(graph, aten.slice.Tensor, by_rank, 1, offset, offset + n)
-            copy = call(graph, aten.clone.default, part)
+            # Its columns of every rank's row, copied out: one node for slice and clone.
+            copy = call(graph, aten.narrow_copy.default, by_rank, 1, offset, n)
             full = _view(graph, copy, [world * val(x).shape[0], *val(x).shape[1:]])
         copy.meta[GATHERED] = True
-        for node in (wait, by_rank, part, copy, full):
+        for node in (wait, by_rank, copy, full):
             priority.setdefault(node, pos[old_wait])
         offset += n
         replacer.replace(old_wait, full)

@@ -233,7 +233,8 @@ def outputs_of(wait: fx.Node) -> set[fx.Node]:
     return found
 
 
-_COPY_OPS = (torch.ops.aten.constant_pad_nd.default, torch.ops.aten.cat.default, torch.ops.aten.clone.default, COPY_IN, COPY_OUT)
+_COPY_OPS = (torch.ops.aten.constant_pad_nd.default, torch.ops.aten.cat.default, torch.ops.aten.clone.default,
+             torch.ops.aten.narrow_copy.default, COPY_IN, COPY_OUT)
 
 
 def taken_from_copy_out(node: fx.Node) -> bool:

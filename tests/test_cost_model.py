@@ -128,6 +128,15 @@ def test_elementwise_time_is_memory_bound_and_views_are_free():
     assert node_time(x, h100) == node_time(view, h100) == 0
 
 
+def test_a_copy_out_costs_what_it_copies_not_the_whole_bucket():
+    g = Builder()
+    bucket = g.input("bucket", 8, 2**22)  # 8 ranks' rows of a gathered bucket (128 MiB)
+    taken = g(aten.narrow_copy.default, bucket, 1, 2**20, 2**20)  # one parameter's columns: a quarter
+    sliced = g(aten.clone.default, g(aten.slice.Tensor, bucket, 1, 2**20, 2**21))  # the same, in two ops
+    assert node_time(taken, "h100") == pytest.approx(node_time(sliced, "h100"))
+    assert node_time(taken, "h100") < node_time(g(aten.clone.default, bucket), "h100") / 3
+
+
 def test_op_overhead_charges_every_aten_call_views_included():
     g = Builder()
     x = g.input("x", 1024, 1024)

@@ -268,13 +268,16 @@ def _compute_dtype(node: fx.Node) -> torch.dtype:
 
 # Ops that only allocate (a buffer a collective writes into): no kernel touches the bytes.
 _ALLOCATIONS = (torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default)
+# Ops that read only the part of their input they copy out (a bucket's copy-out): as many bytes as they write.
+_READS_WHAT_IT_WRITES = (torch.ops.aten.narrow_copy.default,)
 
 
 def node_time(node: fx.Node, profile: str | DeviceProfile) -> float:
     """Seconds one compute node takes:
     ``op_overhead + launch_overhead + max(flops / peak, bytes / mem_bw)``.
 
-    bytes = tensor input bytes + output bytes; peak is for the dtype of the first floating
+    bytes = tensor input bytes + output bytes (a copy-out reading part of its input: twice its
+    output bytes); peak is for the dtype of the first floating
     point input. Views, allocations (``empty``) and ATen calls producing no tensor (shape
     arithmetic) launch no kernel and cost only ``op_overhead``. Zero for placeholders, outputs, get_attr, getitem, anything
     that is not an ATen-style OpOverload, and every ``_c10d_functional`` op (costed by
@@ -285,7 +288,11 @@ def node_time(node: fx.Node, profile: str | DeviceProfile) -> float:
     profile = get_profile(profile)
     if is_view(node, hidden=True) or node.target in _ALLOCATIONS or not tensors(node.meta.get("val")):
         return profile.op_overhead
-    nbytes = tensor_bytes(node.meta.get("val")) + sum(tensor_bytes(arg.meta.get("val")) for arg in _input_nodes(node))
+    written = tensor_bytes(node.meta.get("val"))
+    if node.target in _READS_WHAT_IT_WRITES:
+        nbytes = 2 * written
+    else:
+        nbytes = written + sum(tensor_bytes(arg.meta.get("val")) for arg in _input_nodes(node))
     flop_time = node_flops(node) / profile.flops_per_s(_compute_dtype(node))
     return profile.op_overhead + profile.launch_overhead + max(flop_time, nbytes / profile.mem_bandwidth)
 
