@@ -5,7 +5,9 @@ import contextlib
 import functools
 import importlib
 import inspect
+import logging
 import operator
+import os
 import sys
 from typing import Any, Callable, Iterator, Sequence
 from unittest import mock
@@ -74,6 +76,7 @@ __all__ = [
     "tree_map",
     "tree_map_only",
     "unset_fake_temporarily",
+    "unlogged_graph_text",
     "wrap_compile_phases",
 ]
 
@@ -465,6 +468,40 @@ def wrap_compile_phases(wrap: Callable[[Callable, str], Callable]) -> Iterator[N
             for module in list(sys.modules.values()):
                 if getattr(module, name, None) is original:
                     stack.enter_context(mock.patch.object(module, name, wrapped))
+        yield
+
+
+# AOT autograd's functions that print its joint, forward and backward graphs as text, for its
+# logs and its cache entry, whether or not anything will read them (torch 2.11-2.15).
+_GRAPH_TEXT = {"_log_joint_graph": None, "_log_fw_bw_graphs": (None, None)}
+_GRAPH_LOGS = ("aot_joint_log", "aot_graphs_log")  # the loggers they print to
+
+
+def _traces(handler: logging.Handler) -> bool:
+    # A structured trace (TORCH_TRACE, tlparse) is written unless this is torch's lazy handler
+    # without a directory: outside Meta's cluster it removes itself at its first record.
+    lazy = type(handler).__name__ == "LazyTraceHandler" and getattr(handler, "stream", None) is None
+    return not (lazy and getattr(handler, "root_dir", None) is None and os.getenv("MAST_HPC_JOB_NAME") is None)
+
+
+def _graph_logs_wanted(module: Any) -> bool:
+    structured = any(map(_traces, torch._logging._internal.trace_log.handlers))
+    return structured or any(getattr(module, log).isEnabledFor(logging.INFO) for log in _GRAPH_LOGS)
+
+
+@contextlib.contextmanager
+def unlogged_graph_text() -> Iterator[None]:
+    """Inside, AOT autograd prints its graphs as text only when a log will show them
+    (``TORCH_LOGS=aot_graphs``, ``aot_joint_graph``, or a structured trace). Otherwise the text
+    went nowhere: autoshard turns the AOT autograd cache off, the one other reader. Printing
+    the three graphs cost ~0.25 s of a 16-layer GPT's compile (code generation for each)."""
+    module = importlib.import_module("torch._functorch._aot_autograd.graph_compile")
+    if not all(hasattr(module, name) for name in (*_GRAPH_TEXT, *_GRAPH_LOGS)) or _graph_logs_wanted(module):
+        yield
+        return
+    with contextlib.ExitStack() as stack:
+        for name, nothing in _GRAPH_TEXT.items():
+            stack.enter_context(mock.patch.object(module, name, lambda *args, _nothing=nothing, **kwargs: _nothing))
         yield
 
 

@@ -60,3 +60,33 @@ def test_debug_dir_holds_every_stage_as_python(tmp_path):
     for path in folder.glob("*.py"):
         compile(path.read_text(), str(path), "exec")  # parses as Python
     assert {"report.html", "trace.json", "summary.txt"} <= {p.name for p in folder.iterdir()}  # and the report
+
+
+@pytest.mark.parametrize("logged", [False, True])
+def test_graphs_are_printed_as_text_only_for_a_log_that_shows_them(logged):
+    """AOT autograd prints its joint, forward and backward graphs as text for its logs; under
+    autoshard's backend only when such a log is on (TORCH_LOGS=aot_graphs here)."""
+    from unittest import mock
+
+    torch._dynamo.reset()
+    printed = []
+    original = torch.fx.GraphModule.print_readable
+
+    def spy(self, *args, **kwargs):
+        printed.append(self)
+        return original(self, *args, **kwargs)
+
+    model = torch.compile(torch.nn.Linear(4, 2), backend="autoshard", options={"compiler": "aot_eager"})
+    try:
+        torch._logging.set_logs(aot_graphs=logged)
+        # No structured trace either: pytest's capture handlers would read one.
+        with mock.patch.object(torch.fx.GraphModule, "print_readable", spy), \
+                mock.patch.object(torch._logging._internal.trace_log, "handlers", []):
+            model(torch.ones(1, 4)).sum().backward()
+    finally:
+        torch._logging.set_logs()
+        torch._dynamo.reset()
+    if logged:
+        assert len(printed) >= 2  # the forward and backward graphs, as without autoshard
+    else:
+        assert not printed

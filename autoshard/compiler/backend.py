@@ -29,6 +29,7 @@ from autoshard._compat import (
     min_cut_rematerialization_partition,
     no_python_dispatcher,
     register_backend,
+    unlogged_graph_text,
     unset_fake_temporarily,
 )
 from autoshard.compiler import pipeline
@@ -188,7 +189,7 @@ def _compile(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict | 
         return pipeline.run(pipeline.JOINT, joint, pipeline.Context(opts, "joint"), dump.write)
 
     # The AOT autograd cache would skip joint_pass (and the dumps) on a hit.
-    with functorch_config.patch(joint_custom_pass=joint_pass, enable_autograd_cache=False):
+    with functorch_config.patch(joint_custom_pass=joint_pass, enable_autograd_cache=False), unlogged_graph_text():
         if opts.compiler == "inductor":
 
             @_paused  # the backward is compiled lazily, outside autoshard_backend
