@@ -23,11 +23,17 @@ Phases (seconds, each exclusive of the others):
 
 ``vs_plain`` is autoshard's total over plain's from the same run; with ``--repeat N`` each
 system's fastest of N compiles (alternating which runs first) is kept.
+
+``--calls``: Python function calls per phase (millions, cProfile) instead of seconds: slower,
+but a count repeats from run to run where this machine's times move by tens of percent::
+
+    python bench/compile_time.py --calls --compilers aot_eager --layers 4 16
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
 import dataclasses
 import functools
 import json
@@ -52,14 +58,22 @@ BATCH = 2
 
 class PhaseClock:
     """Exclusive seconds per phase: time spent in a phase nested in another counts only for
-    the inner one."""
+    the inner one. ``count_calls``: also Python function calls per phase, one profiler per
+    phase, running only while that phase is the innermost."""
 
-    def __init__(self) -> None:
+    def __init__(self, count_calls: bool = False) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
         self._stack: list[list[float]] = []  # per open phase: [start, seconds in nested phases]
+        self._names: list[str] = []
+        self._profiles: dict[str, cProfile.Profile] | None = defaultdict(cProfile.Profile) if count_calls else None
+
+    def calls(self) -> dict[str, int]:
+        return {name: sum(s[1] for s in p.getstats()) for name, p in (self._profiles or {}).items()}
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
+        self._switch(self._names[-1] if self._names else None, name)
+        self._names.append(name)
         frame = [time.perf_counter(), 0.0]
         self._stack.append(frame)
         try:
@@ -70,6 +84,16 @@ class PhaseClock:
             self.seconds[name] += total - frame[1]
             if self._stack:
                 self._stack[-1][1] += total
+            self._names.pop()
+            self._switch(name, self._names[-1] if self._names else None)
+
+    def _switch(self, old: str | None, new: str | None) -> None:
+        if self._profiles is None:
+            return
+        if old is not None:
+            self._profiles[old].disable()
+        if new is not None:
+            self._profiles[new].enable()
 
     def wrap(self, fn: Callable, name: str) -> Callable:
         @functools.wraps(fn)
@@ -125,9 +149,10 @@ def _step(compiled: Callable, idx: Any) -> tuple[float, float]:
     return mid - start, time.perf_counter() - mid
 
 
-def measure(system: str, compiler: str, layers: int, world_size: int = 8) -> dict[str, Any]:
+def measure(system: str, compiler: str, layers: int, world_size: int = 8, count_calls: bool = False) -> dict[str, Any]:
     """Compile one training step of the GPT at ``layers`` with ``system`` and ``compiler``,
-    in this process; seconds per phase (see the module docstring)."""
+    in this process; seconds per phase (see the module docstring), or with ``count_calls``
+    millions of Python calls per phase."""
     import torch
     import torch.distributed as dist
 
@@ -148,7 +173,7 @@ def measure(system: str, compiler: str, layers: int, world_size: int = 8) -> dic
             backend = functools.partial(autoshard_backend, options={"compiler": compiler})
         else:
             backend = lookup_backend(compiler)
-        clock = PhaseClock()
+        clock = PhaseClock(count_calls)
         compiled = torch.compile(model, backend=clock.wrap(backend, "capture"))
         idx = torch.randint(0, WIDTH["vocab_size"], (BATCH, WIDTH["block_size"]))
         with wrap_compile_phases(clock.wrap), _timed_pipeline(clock) as per_pass:
@@ -160,6 +185,12 @@ def measure(system: str, compiler: str, layers: int, world_size: int = 8) -> dic
         fwd, bwd = min(s[0] for s in steady), min(s[1] for s in steady)
     finally:
         dist.destroy_process_group()
+    if count_calls:
+        c = {k: v / 1e6 for k, v in clock.calls().items()}
+        phases = {"dynamo": c.get("forward call", 0.0), "capture": c.get("capture", 0.0) + c.get("backward call", 0.0),
+                  **{k: c.get(k, 0.0) for k in ("autoshard", "partition", "inner")}}
+        return {"system": system, "compiler": compiler, "layers": layers, **phases, "total": sum(phases.values()),
+                "passes": {}, "unit": "million calls"}
     s = clock.seconds
     phases = {
         "dynamo": s["forward call"] - fwd,
@@ -173,18 +204,18 @@ def measure(system: str, compiler: str, layers: int, world_size: int = 8) -> dic
             "passes": dict(per_pass), "steady_fwd_s": fwd, "steady_bwd_s": bwd}
 
 
-def _measure_in_child(system: str, compiler: str, layers: int, world_size: int) -> dict[str, Any]:
+def _measure_in_child(system: str, compiler: str, layers: int, world_size: int, count_calls: bool = False) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as cache:
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "TORCHINDUCTOR_FX_GRAPH_CACHE": "0",
                "TORCHINDUCTOR_AUTOGRAD_CACHE": "0", "PYTHONWARNINGS": "ignore"}
-        cmd = [sys.executable, __file__, "--child", system, compiler, str(layers), str(world_size)]
+        cmd = [sys.executable, __file__, "--child", system, compiler, str(layers), str(world_size)] + ["--calls"] * count_calls
         done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"{system} {compiler} {layers} layers failed:\n{done.stderr[-4000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def run(layers: list[int], compilers: list[str], repeat: int, world_size: int) -> list[dict[str, Any]]:
+def run(layers: list[int], compilers: list[str], repeat: int, world_size: int, count_calls: bool = False) -> list[dict[str, Any]]:
     rows = []
     for compiler in compilers:
         for n in layers:
@@ -192,8 +223,8 @@ def run(layers: list[int], compilers: list[str], repeat: int, world_size: int) -
             for r in range(repeat):
                 for system in SYSTEMS if r % 2 == 0 else SYSTEMS[::-1]:
                     print(f"{compiler} {n} layers {system} ...", end=" ", file=sys.stderr, flush=True)
-                    row = _measure_in_child(system, compiler, n, world_size)
-                    print(f"{row['total']:.1f} s", file=sys.stderr, flush=True)
+                    row = _measure_in_child(system, compiler, n, world_size, count_calls)
+                    print(f"{row['total']:.2f} {'M calls' if count_calls else 's'}", file=sys.stderr, flush=True)
                     if system not in best or row["total"] < best[system]["total"]:
                         best[system] = row
             best["autoshard"]["vs_plain"] = best["autoshard"]["total"] / best["plain"]["total"]
@@ -208,21 +239,23 @@ def main() -> None:
     parser.add_argument("--compilers", nargs="+", choices=COMPILERS, default=list(COMPILERS))
     parser.add_argument("--repeat", type=int, default=1, help="compiles per system and size; the fastest is kept")
     parser.add_argument("--world-size", type=int, default=8)
+    parser.add_argument("--calls", action="store_true", help="count Python calls per phase instead of timing it")
     parser.add_argument("--json", help="also write the rows to this file")
     parser.add_argument("--child", nargs=4, metavar=("SYSTEM", "COMPILER", "LAYERS", "WORLD"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         system, compiler, layers, world = args.child
-        print(json.dumps(measure(system, compiler, int(layers), int(world))))
+        print(json.dumps(measure(system, compiler, int(layers), int(world), args.calls)))
         return
 
     from tabulate import tabulate
 
-    rows = run(args.layers, args.compilers, args.repeat, args.world_size)
+    rows = run(args.layers, args.compilers, args.repeat, args.world_size, args.calls)
+    unit = "millions of Python calls" if args.calls else "seconds"
     print(f"GPT width {WIDTH['n_embd']}, seq {WIDTH['block_size']}, batch {BATCH}; autoshard at world size "
-          f"{args.world_size} (fake process group); seconds per phase of the first training step's compile")
+          f"{args.world_size} (fake process group); {unit} per phase of the first training step's compile")
     cols = ["compiler", "layers", "system", *PHASES, "total", "vs_plain"]
-    print(tabulate([[r[c] for c in cols] for r in rows], headers=cols, floatfmt=".2f"))
+    print(tabulate([[r[c] for c in cols] for r in rows], headers=cols, floatfmt=".3f" if args.calls else ".2f"))
     if args.json:
         Path(args.json).write_text(json.dumps({"config": vars(args), "rows": rows}, indent=2))
 

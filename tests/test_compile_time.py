@@ -39,6 +39,23 @@ def test_a_phase_nested_in_another_counts_only_for_the_inner_one():
     assert 0.01 <= clock.seconds["outer"] < 0.2  # the inner phase's 0.2 s are not in it
 
 
+def test_calls_are_counted_in_the_innermost_phase_only():
+    def twenty() -> None:
+        for _ in range(20):
+            abs(-1)  # a built-in call, which the profiler counts too
+
+    clock = compile_time.PhaseClock(count_calls=True)
+    with clock.phase("outer"):
+        twenty()
+        with clock.phase("inner"):
+            for _ in range(3):
+                twenty()
+        twenty()
+    calls = clock.calls()
+    assert calls["inner"] >= 3 * 21  # three calls of twenty, each with its 20 abs
+    assert 2 * 21 <= calls["outer"] < 5 * 21  # its own two, not the inner phase's three
+
+
 def test_compile_phase_functions_are_wrapped_everywhere_and_restored():
     import torch._dynamo.backends.debugging as debugging  # imports the partitioner by name
     import torch._functorch.partitioners as partitioners
