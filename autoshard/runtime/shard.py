@@ -117,17 +117,17 @@ def _getter(name: str) -> Callable[[nn.Module], torch.Tensor]:
     sync, sinks = grad_sync.SYNC, grad_sync.SINKS
 
     def get(self: nn.Module) -> torch.Tensor:
-        compiling = _is_compiling()
-        if compiling:
+        if _as_shards:
+            return self._parameters[name]
+        if _is_compiling():
             # For autoshard's backend, synchronised (leaves.show_reads): a graph input of the
             # full shape, which the backend gathers (autoshard/compiler/ghosts.py).
             ghost = getattr(self, ghost_attribute)
-            if ghost is not None and not _as_shards:
+            if ghost is not None:
                 return ghost
-        if _as_shards:
-            return self._parameters[name]
-        # While tracing: synced as the root's forward was traced (_checked_forward).
-        leaf = getattr(self, leaf_attribute) if compiling else leaves.synced(leaves.leaves_of(self, name))
+            leaf = getattr(self, leaf_attribute)  # synced as the root's forward was traced (_checked_forward)
+        else:
+            leaf = leaves.synced(leaves.leaves_of(self, name))
         spec = self._autoshard_specs[name]
         # Python constants that Dynamo guards on: one compiled variant per setting.
         sink = None if getattr(self, sync) or not leaf.requires_grad else getattr(self, sinks)[name]
