@@ -4,13 +4,16 @@ These look at the lowered graphs as they are (schedule "none"); test_schedule.py
 bucketing and scheduling."""
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import pytest
 import torch
 from torch import fx
 
+import autoshard
 from autoshard._compat import c10d
+from autoshard.compiler import backend
 
 from fake_pg import compile_step, count, fake_world
 from models import batch, build
@@ -74,17 +77,26 @@ def test_uneven_and_scalar_parameters():
     assert count(fw, "aten.slice") > 0  # 10 rows over 8 ranks: 16 gathered, padding cut off
 
 
-def test_unsharded_trainable_parameters_warn_once():
+def _unsharded_warnings(model: torch.nn.Module, world: bool) -> int:
+    """How many times compiling and running ``model`` (the "mlp" batch) warns that parameters are not sharded."""
     torch._dynamo.reset()
-    model = build("mlp")  # not sharded: the warning's subject
     x, y = batch("mlp", 0)
-    with fake_world(WORLD):  # one rank alone has nothing to warn about
-        with pytest.warns(UserWarning, match="autoshard.shard"):
-            torch.compile(model, backend="autoshard", options={"compiler": "aot_eager"})(x, y)
-        torch._dynamo.reset()
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            torch.compile(build("mlp"), backend="autoshard", options={"compiler": "aot_eager"})(x, y)
+    with warnings.catch_warnings(record=True) as caught, fake_world(WORLD) if world else contextlib.nullcontext():
+        warnings.simplefilter("always")
+        torch.compile(model, backend="autoshard", options={"compiler": "aot_eager"})(x, y).backward()
+    return sum("autoshard.shard(model) before torch.compile" in str(w.message) for w in caught)
+
+
+def test_unsharded_trainable_parameters_warn_once(monkeypatch):
+    """Once per process, for the first model compiled with trainable parameters left unsharded in a
+    world of several ranks; never for a sharded model, nor for one rank alone."""
+    monkeypatch.setattr(backend, "_warned_unsharded", False)  # as in a fresh process, whatever ran before here
+    assert _unsharded_warnings(build("mlp"), world=False) == 0  # one rank alone has nothing to warn about
+    with fake_world(WORLD):
+        sharded = autoshard.shard(build("mlp"))
+    assert _unsharded_warnings(sharded, world=True) == 0
+    assert _unsharded_warnings(build("mlp"), world=True) == 1
+    assert _unsharded_warnings(build("mlp"), world=True) == 0  # once
 
 
 def test_inference_graph_is_lowered_too():
