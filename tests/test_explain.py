@@ -55,20 +55,74 @@ def test_the_report_lists_every_stage_as_python(report):
     assert "buckets" not in fw_schedule.text() and "bucketed" in fw_bucket.text()
 
 
+# The summary's units, read back by this test's own parser (not the report's formatters).
+_SECONDS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
+_BYTES = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+_JOULES = {"J": 1.0, "kJ": 1e3, "MJ": 1e6, "GJ": 1e9}
+_QUANTITY = r"(-?[\d.]+(?:e[-+]?\d+)?) ([a-zA-Z]+)"
+
+
+def _read(text: str, units: dict[str, float]) -> list[float]:
+    """Every "<number> <unit>" in ``text`` whose unit is one of ``units``, as a plain number."""
+    return [float(n) * units[u] for n, u in re.findall(_QUANTITY, text) if u in units]
+
+
+def _summary_table(text: str) -> dict[str, str]:
+    """The summary's rows, quantity -> value, read from the plain-text table (continuation rows joined)."""
+    lines = text.splitlines()
+    width = lines[2].index(" ")  # the dashes under "quantity"
+    rows: dict[str, str] = {}
+    key = ""
+    for line in lines[3:]:
+        key = line[:width].strip() or key
+        rows[key] = (rows.get(key, "") + " " + line[width:].strip()).strip()
+    return rows
+
+
 def test_the_summary_holds_the_simulators_numbers(report):
+    """Each number of the summary, read back from its text with units, is the simulator's for
+    the final graphs, or what follows from it (gaps, shares, per parameter), to the digits shown."""
     a = analyze(report.stages["forward"], report.stages["backward"], "h100")
     assert a == report.analysis
-    m = report.metrics
-    assert m["parameters"] == sum(p.numel() for p in build_model().parameters())
-    metrics = (m["step_time"], m["exposed_comm"], m["overlap_ratio"], m["peak_bytes"])
-    assert metrics == (a.step_time, a.exposed_comm, a.overlap_ratio, a.peak_bytes)
-    assert m["comm_bytes"] == a.comm_bytes and m["bytes_per_parameter"] == a.peak_bytes / m["parameters"]
-    assert m["step_gap"] == a.step_time / a.step_lower_bound - 1 and m["memory_gap"] == a.peak_bytes / a.memory_lower_bound - 1
-    assert sum(m["collectives"].values()) == sum(1 for e in a.timeline if e.lane != "compute")
-    text = report.summary()
-    for value in (_fmt_time(a.step_time), _fmt_time(a.exposed_comm), f"{a.overlap_ratio:.3f}", _fmt_bytes(a.peak_bytes),
-                  f"{m['parameters']:,}", f"gap {100 * m['step_gap']:.1f}%", f"gap {100 * m['memory_gap']:.1f}%"):
-        assert value in text
+    rows = _summary_table(report.summary())
+    time_of = lambda key: _read(rows[key], _SECONDS)[0]  # noqa: E731
+    bytes_of = lambda key: _read(rows[key], _BYTES)[0]  # noqa: E731
+    percents = lambda key: [float(p) for p in re.findall(r"([\d.]+)%", rows[key])]  # noqa: E731
+    four, three = dict(rel=5e-4), dict(rel=5e-3)  # significant digits shown: time 4, bytes 3
+
+    model = build_model()
+    params = {id(p): p for p in model.parameters()}.values()  # tied weights once
+    assert int(rows["parameters"].replace(",", "")) == sum(p.numel() for p in params)
+    tensors, shard = re.fullmatch(r"(\d+) tensors, (.*)", rows["shards (this rank)"]).groups()
+    assert int(tensors) == len(params)
+    rows_on_rank0 = lambda p: -(-p.shape[0] // 8) * p[0].numel() if p.dim() else 1  # noqa: E731  dim 0 split in 8, rank 0's
+    assert _read(shard, _BYTES)[0] == pytest.approx(sum(rows_on_rank0(p) * p.element_size() for p in params), **three)
+
+    nodes = [n for stage in ("forward", "backward") for n in report.stages[stage].graph.nodes]
+    by_kind = {k: sum(1 for n in nodes if k in str(n.target)) for k in ("all_gather", "reduce_scatter")}
+    total, kinds = re.fullmatch(r"(\d+) \((.*)\)", rows["collectives per step"]).groups()
+    assert int(total) == sum(by_kind.values()) and kinds == ", ".join(f"{k} {v}" for k, v in by_kind.items())
+    moved = _read(rows["bytes per step"], _BYTES)
+    assert moved == pytest.approx([sum(a.comm_bytes.values()), a.comm_bytes["all_gather"], a.comm_bytes["reduce_scatter"]], **three)
+
+    assert time_of("step time (predicted)") == pytest.approx(a.step_time, **four)
+    assert time_of("compute time") == pytest.approx(a.compute_time, **four)
+    assert time_of("communication time") == pytest.approx(a.comm_time, **four)
+    exposed = a.step_time - a.compute_time  # what compute did not hide
+    assert time_of("exposed communication") == pytest.approx(exposed, **four)
+    assert percents("exposed communication") == pytest.approx([100 * exposed / a.step_time], abs=0.05)
+    assert float(rows["overlap ratio"]) == pytest.approx((a.comm_time - exposed) / a.comm_time, abs=5e-4)
+    assert _read(rows["energy per step"], _JOULES) == pytest.approx([a.energy_j, 8 * a.energy_j], **three)
+
+    assert bytes_of("peak memory per rank") == pytest.approx(a.peak_bytes, **three)
+    peak_time = _read(rows["peak memory per rank"], _SECONDS)[0]
+    assert peak_time == pytest.approx(next(t for t, live in a.memory_curve if live == a.peak_bytes), **four)
+    assert bytes_of("peak gathered parameters") == pytest.approx(a.peak_gathered_bytes, **three)
+    assert float(rows["bytes per parameter (GB per billion)"]) == pytest.approx(a.peak_bytes / sum(p.numel() for p in params), **three)
+    assert time_of("step lower bound") == pytest.approx(a.step_lower_bound, **four)
+    assert percents("step lower bound") == pytest.approx([100 * (a.step_time / a.step_lower_bound - 1)], abs=0.05)
+    assert bytes_of("memory lower bound") == pytest.approx(a.memory_lower_bound, **three)
+    assert percents("memory lower bound") == pytest.approx([100 * (a.peak_bytes / a.memory_lower_bound - 1)], abs=0.05)
 
 
 def test_the_summary_gives_the_energy_per_step_per_rank_and_over_the_world(report):
