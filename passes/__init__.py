@@ -3,7 +3,7 @@
 Installed as ``autoshard.passes``. Their order, stages and schedules are declared in
 ``autoshard/compiler/pipeline.py``; in short: on the joint forward+backward graph,
 unbatch_annotations, merge_shared_parameters then lower_annotations; on each
-partitioned graph, drop_unused_collectives, bucket_collectives then schedule_overlap (or PyTorch's own scheduler,
+partitioned graph, normalize_collectives, bucket_collectives then schedule_overlap (or PyTorch's own scheduler,
 inductor_schedule, as a baseline), then over gloo gathers_into_buffers and, for graphs run
 op by op, reductions_by_exchange and free_collective_buffers.
 """
@@ -12,13 +12,12 @@ from .gloo import free_collective_buffers, gathers_in_place, gathers_into_buffer
 from .inductor_schedule import inductor_schedule
 from .lower import lower_annotations
 from .merge_shared import merge_shared_parameters
-from .prune import drop_unused_collectives
+from .normalize import normalize_collectives
 from .schedule import schedule_overlap
 from .unbatch import unbatch_annotations
 
 __all__ = [
     "bucket_collectives",
-    "drop_unused_collectives",
     "planned_buckets",
     "free_collective_buffers",
     "gathers_in_place",
@@ -26,6 +25,7 @@ __all__ = [
     "inductor_schedule",
     "lower_annotations",
     "merge_shared_parameters",
+    "normalize_collectives",
     "plan_buckets",
     "reductions_by_exchange",
     "schedule_overlap",

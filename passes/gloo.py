@@ -10,6 +10,7 @@ from torch import fx
 from autoshard._compat import c10d
 
 from .graph_utils import (
+    PADS,
     arg,
     call,
     collective_kind,
@@ -38,7 +39,7 @@ resize_storage_bytes_ = torch.ops.inductor.resize_storage_bytes_.default
 
 # What the passes free or reduce in place: storages these ops allocate (copy-ins, pads, casts,
 # buffers). Anything else (a view of a placeholder, an op's output they do not know) stays the graph's.
-_ALLOCATES = (aten.empty.memory_format, aten.cat.default, aten.constant_pad_nd.default, aten.clone.default,
+_ALLOCATES = (aten.empty.memory_format, aten.cat.default, *PADS, aten.clone.default,
               torch.ops.prims.convert_element_type.default, c10d.all_to_all_single.default)
 
 

@@ -23,6 +23,9 @@ from .fake_values import fake_value
 
 # The copies bucketing makes opaque (autoshard/runtime/ops.py): one per bucket, unfusable.
 COPY_IN, COPY_OUT = torch.ops.autoshard.copy_in.default, torch.ops.autoshard.copy_out.default
+# Zero rows appended: a shard's (autoshard::pad_shard, rank-dependent rows, opaque) or a
+# full gradient's (the same on every rank).
+PADS = (torch.ops.autoshard.pad_shard.default, torch.ops.aten.constant_pad_nd.default)
 
 # node.meta keys the passes share.
 PARAMS = "autoshard_params"  # on a collective: names of the parameters it moves (a tuple)
@@ -229,11 +232,12 @@ def outputs_of(wait: fx.Node) -> set[fx.Node]:
         node = todo.pop()
         if node not in found:
             found.add(node)
-            todo.extend(u for u in node.users if is_view(u) or u.meta.get(GATHERED) or u.target is COPY_OUT)
+            todo.extend(u for u in node.users if is_view(u) or u.meta.get(GATHERED) or u.target is COPY_OUT
+                        or (u.target is operator.getitem and is_view(node)))  # a piece of split(...)
     return found
 
 
-_COPY_OPS = (torch.ops.aten.constant_pad_nd.default, torch.ops.aten.cat.default, torch.ops.aten.clone.default,
+_COPY_OPS = (*PADS, torch.ops.aten.cat.default, torch.ops.aten.clone.default,
              torch.ops.aten.narrow_copy.default, COPY_IN, COPY_OUT)
 
 

@@ -1,6 +1,8 @@
 """Lower autoshard's annotation ops to traceable c10d collectives."""
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch import fx
 
@@ -25,15 +27,26 @@ def _uneven(rows: int, world: int) -> bool:
     return chunk_rows(rows, world) * world != rows
 
 
-def _pad_rows(graph: fx.Graph, x: fx.Node, rows: int, always: bool = False) -> fx.Node:
+# Where the rows a node has depend on the rank (``shard``), its pad and its cut are ops no
+# compiler takes for no-ops on the ranks where nothing is cut or padded: Inductor's partitioner
+# drops a constant_pad_nd or a slice that changes nothing, which left the ranks whose shard is
+# full with fewer nodes than the others, and its schedule with other positions.
+
+
+def _pad_rows(graph: fx.Graph, x: fx.Node, rows: int, shard: bool = False) -> fx.Node:
+    if shard:
+        return call(graph, annotations.pad_shard.default, x, rows)
     missing = rows - val(x).shape[0]
-    if missing == 0 and not always:
+    if missing == 0:
         return x
     return call(graph, aten.constant_pad_nd.default, x, [0, 0] * (val(x).dim() - 1) + [0, missing], 0.0)
 
 
-def _take_rows(graph: fx.Graph, x: fx.Node, rows: int, always: bool = False) -> fx.Node:
-    if rows == val(x).shape[0] and not always:
+def _take_rows(graph: fx.Graph, x: fx.Node, rows: int, shard: bool = False) -> fx.Node:
+    have = val(x).shape[0]
+    if shard:  # a view, as the slice: [rows, the rest]
+        return call(graph, operator.getitem, call(graph, aten.split_with_sizes.default, x, [rows, have - rows]), 0)
+    if rows == have:
         return x
     return call(graph, aten.slice.Tensor, x, 0, 0, rows)
 
@@ -56,7 +69,7 @@ def _lower_unshard(graph: fx.Graph, node: fx.Node) -> tuple[fx.Node, list[fx.Nod
     cast = _cast(graph, shard, a["param_dtype"])  # on the shard: the gather moves the low precision
     if world == 1:
         return cast, [cast] if cast is not shard else []
-    padded = _pad_rows(graph, cast, chunk_rows(dim0, world), always=_uneven(dim0, world))
+    padded = _pad_rows(graph, cast, chunk_rows(dim0, world), shard=_uneven(dim0, world))
     gather = call(graph, c10d.all_gather_into_tensor.default, padded, world, group)
     gather.meta[PARAMS] = (name,)
     gathered = call(graph, c10d.wait_tensor.default, gather)
@@ -76,7 +89,7 @@ def _lower_reduce_grad(graph: fx.Graph, node: fx.Node) -> fx.Node:
         grad = call(graph, c10d.wait_tensor.default, reduce)
     if a["replicas"] > 1:  # on the padded shard: the same shape on every rank
         grad = _all_reduce(graph, grad, a["replica_group"], name)
-    return _cast(graph, _take_rows(graph, grad, a["shard_rows"], always=uneven), a["out_dtype"])
+    return _cast(graph, _take_rows(graph, grad, a["shard_rows"], shard=uneven), a["out_dtype"])
 
 
 def _lower_all_reduce_grad(graph: fx.Graph, node: fx.Node) -> fx.Node:

@@ -1,16 +1,19 @@
-"""Drop collectives whose results nothing uses.
+"""Collectives as the later passes expect them: each has exactly one wait, and a use.
 
-The partitioner copies a resharded parameter's gather into the backward when the forward needs
+Two things break that after partitioning. The partitioner copies a resharded parameter's gather into the backward when the forward needs
 it, even where no backward node reads the result (a graph that ends at the gathered weight,
 e.g. an embedding read before a graph break): ``wait_tensor`` is side-effecting, so its dead
 code elimination keeps the gather and its wait. Left in, such a gather moves bytes for nothing
-and breaks every pass that places a collective at its first use.
+and breaks every pass that places a collective at its first use. And the partitioner's
+common-subexpression elimination (Inductor's partitioner runs it) merges two collectives of
+one value into one with two waits: in a ResNet block, the main path's last BatchNorm and the
+shortcut's BatchNorm get the same bias gradient, so their two reduce-scatters are one node.
 """
 from __future__ import annotations
 
 from torch import fx
 
-from .graph_utils import collective_kind, is_wait, outputs_of
+from .graph_utils import collective_kind, is_wait, outputs_of, positions
 
 
 def _dead(node: fx.Node) -> bool:
@@ -29,19 +32,34 @@ def _unused(collective: fx.Node) -> bool:
     return all(u in results for r in results for u in r.users)
 
 
-def drop_unused_collectives(gm: fx.GraphModule) -> fx.GraphModule:
-    """Remove every collective none of whose results (its waits, their views and copy-outs)
+def normalize_collectives(gm: fx.GraphModule) -> fx.GraphModule:
+    """Give every collective one wait (the first; later waits of it are replaced by it), then
+    remove every collective none of whose results (its waits, their views and copy-outs)
     reaches a node outside them or the graph's output, then the copy-ins and casts left
     feeding nothing.
 
-    Guarantees: a collective stays iff something computes with or returns its result; every
-    remaining node is kept in place. The decision reads only the graph's structure, so ranks
-    compiling the same graph drop the same collectives. Numerics are unchanged.
+    Guarantees: every collective has exactly one ``wait_tensor``; a collective stays iff
+    something computes with or returns its result; every remaining node keeps its place. The
+    decision reads only the graph's structure, so ranks compiling the same graph drop the same
+    collectives. Numerics are unchanged.
+
+        before: g -> reduce_scatter -> wait1 -> ... wait2 -> x     (one collective, two waits)
+        after:  g -> reduce_scatter -> wait1 -> ... x               (x reads wait1)
 
         before: shard -> pad -> all_gather -> wait -> slice        (slice feeds nothing)
         after:  shard
     """
     graph = gm.graph
+    pos = positions(graph.nodes)
+    merged = False
+    for node in graph.nodes:
+        waits = sorted((u for u in node.users if is_wait(u)), key=pos.__getitem__)
+        if collective_kind(node) is not None and len(waits) > 1:
+            first, *later = waits  # the earliest: every use of a later one comes after it
+            for wait in later:
+                wait.replace_all_uses_with(first)
+                graph.erase_node(wait)
+                merged = True
     unused = [n for n in graph.nodes if collective_kind(n) is not None and _unused(n)]
     for node in unused:
         inputs = set(node.all_input_nodes)
@@ -52,7 +70,7 @@ def drop_unused_collectives(gm: fx.GraphModule) -> fx.GraphModule:
             graph.erase_node(leaf)
         while inputs:  # the pads and casts that only fed it
             inputs = {a for n in inputs if _dead(n) for a in _erase(graph, n)}
-    if unused:
+    if merged or unused:
         graph.lint()
         gm.recompile()
     return gm

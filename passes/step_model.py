@@ -11,12 +11,11 @@ import bisect
 import operator
 from typing import Any, Callable, Collection, Sequence
 
-import torch
 from torch import fx
 
 from autoshard._compat import c10d
 
-from .graph_utils import COPY_OUT, collective_kind, is_view, is_wait, nbytes, out_buffer, taken_from_copy_out
+from .graph_utils import COPY_OUT, PADS, collective_kind, is_view, is_wait, nbytes, out_buffer, taken_from_copy_out
 
 Workspace = Callable[[fx.Node], int]  # bytes a collective holds besides its input and output, issue to wait
 
@@ -45,7 +44,7 @@ def _aliases(node: fx.Node) -> bool:
     return (
         is_view(node, hidden=True)
         or is_wait(node)
-        or (node.op == "call_function" and node.target in (operator.getitem, torch.ops.aten.constant_pad_nd.default))
+        or (node.op == "call_function" and node.target in (operator.getitem, *PADS))
     )
 
 

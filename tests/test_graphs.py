@@ -102,4 +102,4 @@ def test_unsharded_trainable_parameters_warn_once(monkeypatch):
 def test_inference_graph_is_lowered_too():
     step = compile_step("mlp", batch("mlp", 0), world_size=WORLD, train=False, options={"schedule": "none"})
     assert count(step.forward, "all_gather_into_tensor") == len(list(step.model.parameters()))
-    assert count(step.forward, "autoshard") == 0
+    assert count(step.forward, "autoshard") == count(step.forward, "autoshard.pad_shard")  # no annotation op is left

@@ -1,5 +1,6 @@
-"""drop_unused_collectives: a collective nothing uses is removed, on a small traced graph and
-in the case that needs it (a graph ending at a gathered parameter, as before a graph break)."""
+"""normalize_collectives: one wait per collective, and a collective nothing uses removed, on a
+small traced graph (Stack's backward, with what the partitioner leaves drawn in) and in a case
+that needs it end to end (a graph ending at a gathered parameter, as before a graph break)."""
 from __future__ import annotations
 
 import torch
@@ -7,7 +8,7 @@ from torch import fx, nn
 
 import autoshard
 from autoshard._compat import c10d
-from autoshard.passes import drop_unused_collectives
+from autoshard.passes import normalize_collectives
 from autoshard.passes.graph_utils import PARAMS, call
 
 from fake_pg import captured_graphs, count, fake_world
@@ -20,7 +21,7 @@ def _unused_gather(gm: fx.GraphModule, shard: fx.Node, name: str) -> None:
     """What the partitioner leaves in a backward: pad -> gather -> wait -> slice, read by nobody."""
     graph = gm.graph
     with graph.inserting_after(shard):
-        pad = call(graph, aten.constant_pad_nd.default, shard, [0, 0, 0, 0], 0.0)
+        pad = call(graph, torch.ops.autoshard.pad_shard.default, shard, 2)
     with graph.inserting_after(pad):
         gather = call(graph, c10d.all_gather_into_tensor.default, pad, WORLD, "0")
         gather.meta[PARAMS] = (name,)
@@ -49,15 +50,42 @@ def test_a_gather_nothing_reads_is_dropped_with_its_copy_in(drawing):
     _unused_gather(gm, shard, "layers.0.weight")
     assert events(gm) == drawing("before")
     nodes = len(gm.graph.nodes)
-    drop_unused_collectives(gm)
+    normalize_collectives(gm)
     assert events(gm) == drawing("after") == kept
     assert len(gm.graph.nodes) == nodes - 4  # pad, gather, wait, slice
+
+
+def test_a_collective_with_two_waits_keeps_the_first(drawing):
+    """The partitioner's CSE made one reduce-scatter of two equal gradients (two BatchNorm
+    biases fed the same gradient, in a ResNet block): its two waits become the first, and what
+    read the second reads the first (the add, drawn after them, here reads both).
+
+    before:  ag(norm.w) wait(norm.w) ag(norm.b) wait(norm.b) ln_bw
+             rs(norm.w) wait(norm.w) rs(norm.b) wait(norm.b) ag(2.w) wait(2.w) mm mm rs(2.b) wait(2.b)
+             rs(2.w) wait(2.w) ag(1.w) wait(1.w) mm mm rs(1.b) wait(1.b) rs(1.w) wait(1.w) mm rs(0.b)
+             wait(0.b) rs(0.w) wait(0.w) wait(0.w) add
+    after:   ag(norm.w) wait(norm.w) ag(norm.b) wait(norm.b) ln_bw
+             rs(norm.w) wait(norm.w) rs(norm.b) wait(norm.b) ag(2.w) wait(2.w) mm mm rs(2.b) wait(2.b)
+             rs(2.w) wait(2.w) ag(1.w) wait(1.w) mm mm rs(1.b) wait(1.b) rs(1.w) wait(1.w) mm rs(0.b)
+             wait(0.b) rs(0.w) wait(0.w) add
+    """
+    gm = stage(Stack, "backward")
+    graph = gm.graph
+    *_, first, output = graph.nodes
+    reduce = first.args[0]
+    with graph.inserting_before(output):
+        second = call(graph, c10d.wait_tensor.default, reduce)
+        add = call(graph, aten.add.Tensor, first, second)
+    assert events(gm) == drawing("before")
+    normalize_collectives(gm)
+    assert events(gm) == drawing("after")
+    assert add.args == (first, first) and [u for u in reduce.users] == [first]
 
 
 def test_a_collective_whose_result_is_used_or_returned_stays():
     gm = stage(Stack, "backward")
     before = [n.format_node() for n in gm.graph.nodes]
-    drop_unused_collectives(gm)
+    normalize_collectives(gm)
     assert [n.format_node() for n in gm.graph.nodes] == before
 
 

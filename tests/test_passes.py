@@ -13,7 +13,7 @@ from torch import fx
 
 from autoshard._compat import c10d, recompute_region
 from autoshard.passes import bucket_collectives, lower_annotations, merge_shared_parameters
-from autoshard.passes.graph_utils import COPY_IN, COPY_OUT, GATHERED, PARAMS, arg, collective_kind, is_op, nbytes
+from autoshard.passes.graph_utils import COPY_IN, COPY_OUT, GATHERED, PARAMS, arg, collective_kind, is_op, nbytes, val
 from autoshard.passes.step_model import Storages
 
 from pass_graphs import WORLD, Stack, Tied, events, gathers, label, policies, stage
@@ -93,17 +93,18 @@ def _gather_chain(gm: fx.GraphModule, param: str) -> list[fx.Node]:
 def test_lower_pads_short_shards_and_cuts_the_padding_off(rank, drawing):
     """layers.2.weight has 6 rows over 4 ranks: 2 rows each on ranks 0-2, none on rank 3.
     Rank 3 pads its empty shard to 2 rows, the others by 0 rows (so every rank compiles the
-    same graph); every rank gathers 8 rows and keeps the first 6.
+    same graph), with autoshard's own pad, which no compiler drops as a no-op where nothing is
+    missing; every rank gathers 8 rows and keeps the first 6.
 
-    rank 0:  constant_pad_nd ag(2.w) wait(2.w) slice
-    rank 3:  constant_pad_nd ag(2.w) wait(2.w) slice
+    rank 0:  pad_shard ag(2.w) wait(2.w) slice
+    rank 3:  pad_shard ag(2.w) wait(2.w) slice
 
     (The shard is a plain leaf, autoshard.runtime.leaves: no DTensor to_local view before it.)
     """
     chain = _gather_chain(lower_annotations(stage(Stack, "joint", rank)), "layers.2.weight")
     assert [label(n) or n.target._opname for n in chain] == drawing(f"rank {rank}")
     assert (arg(chain[-1], "dim"), arg(chain[-1], "start"), arg(chain[-1], "end")) == (0, 0, 6)
-    assert arg(chain[0], "pad") == [0, 0, 0, 2 if rank == 3 else 0]  # dim 0 (the last pair) grows by 2 rows on rank 3
+    assert arg(chain[0], "rows") == 2 and val(chain[0].args[0]).shape[0] == (0 if rank == 3 else 2)
 
 
 # bucket_collectives (partitioned forward / backward) ---------------------------------------

@@ -22,13 +22,13 @@ from autoshard.compiler.cost_model import GLOO_RELEASE_LATE, input_copied
 from autoshard.compiler.options import SCHEDULES
 from autoshard.passes import (
     bucket_collectives,
-    drop_unused_collectives,
     free_collective_buffers,
     gathers_in_place,
     gathers_into_buffers,
     inductor_schedule,
     lower_annotations,
     merge_shared_parameters,
+    normalize_collectives,
     reductions_by_exchange,
     schedule_overlap,
     unbatch_annotations,
@@ -225,9 +225,9 @@ PARTITIONED: tuple[Step, ...] = (
     # A graph compiled without autograd never went through JOINT; idempotent otherwise.
     Pass("unbatch_annotations", lambda gm, ctx: unbatch_annotations(gm), None, frozenset({ANNOTATIONS}), frozenset({UNBATCHED})),
     Pass("lower_annotations", lambda gm, ctx: lower_annotations(gm), "lower", frozenset({UNBATCHED}), frozenset({LOWERED})),
-    # The partitioner keeps a gather in the backward that nothing there reads (wait_tensor is
-    # side-effecting); no later pass expects a collective without a use.
-    Pass("drop_unused_collectives", lambda gm, ctx: drop_unused_collectives(gm), "unused collectives dropped",
+    # The partitioner leaves gathers nothing reads and merges equal reductions into one with two
+    # waits; the passes after this one see one wait and a use per collective.
+    Pass("normalize_collectives", lambda gm, ctx: normalize_collectives(gm), "collectives nothing reads dropped",
          frozenset({LOWERED})),
     Pass("bucket_collectives", _bucket,
          "bucket: per-parameter collectives merged into flat ones", frozenset({LOWERED}), frozenset({BUCKETS}), OURS),

@@ -71,6 +71,20 @@ def pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     return F.pad(t, [0, 0] * (t.dim() - 1) + [0, missing])
 
 
+@torch.library.custom_op("autoshard::pad_shard", mutates_args=())
+def pad_shard(shard: torch.Tensor, rows: int) -> torch.Tensor:
+    """``shard`` followed by zero rows up to ``rows``: a new tensor on every rank, also where
+    no row is missing. A gather's input where a parameter's rows do not divide: opaque, so no
+    compiler drops it as a no-op on the ranks whose shard is full (Inductor's partitioner
+    removes a pad of nothing) and every rank's graph keeps the same nodes."""
+    return pad_rows(shard, rows).clone()
+
+
+@pad_shard.register_fake
+def _(shard, rows):
+    return new_empty(shard, (rows, *shard.shape[1:]), shard.dtype)
+
+
 def _cast(t: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tensor:
     return t if dtype is None or t.dtype == dtype else t.to(dtype)
 
