@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import fx
 
-from autoshard._compat import c10d
+from autoshard._compat import c10d, remove_noop_ops
 from autoshard.compiler.consistency import plan_signature
 from autoshard.passes.graph_utils import PARAMS, collectives, outputs_of, wait_of
 from autoshard.passes.schedule import PLAN, SchedulePlan
@@ -94,9 +94,12 @@ def _plans(schedule: str = "autoshard", profile: str = "cpu", **options) -> list
 
 
 def test_by_default_never_more_memory_than_fsdp2_nor_slower():
-    """On GPUs FSDP2 prefetches as our graph can: the default is no bigger and no slower."""
-    for ours, fsdp2 in zip(_plans(profile="h100"), _plans("fsdp2", profile="h100")):
-        assert ours.peak_bytes <= fsdp2.peak_bytes and ours.step_time <= fsdp2.step_time
+    """On GPUs FSDP2 prefetches as our graph can: the default step is no bigger and no slower.
+    Both steps are played by the simulator from the final graphs, forward and backward
+    together, not read from the plans the schedule chose them by."""
+    ours, fsdp2 = (analyze(*_compile(schedule), "h100") for schedule in ("autoshard", "fsdp2"))
+    assert ours.peak_bytes <= fsdp2.peak_bytes
+    assert ours.step_time <= fsdp2.step_time * (1 + 1e-9)  # float sums in another order
 
 
 def test_on_gloo_the_default_fits_fsdp2_eager_whose_collectives_block():
@@ -150,6 +153,22 @@ def test_plan_signature_ignores_rank_dependent_padding():
     for rank in (0, WORLD - 1):  # "uneven" pads shards on the last ranks only
         step = compile_step("uneven", lambda: (torch.randn(2, 16), torch.randn(2, 1)), world_size=WORLD, rank=rank)
         signatures.append(plan_signature(step.forward))
+    assert signatures[0] == signatures[1]
+
+
+def test_ranks_keep_the_same_nodes_when_a_compiler_drops_no_ops():
+    """"uneven" pads and cuts shards on the last rank only (fc1's 10 rows are 3, 3, 3, 1; fc2's
+    3 rows 1, 1, 1, 0): Inductor's partitioner drops the pads and cuts that change nothing, as
+    on rank 0. Each rank's lowered joint graph keeps the same ops in the same order anyway, and
+    the partitioned graphs compile to one plan (Qwen2-MoE split here under Inductor)."""
+    graphs, signatures = [], []
+    for rank in (0, WORLD - 1):
+        step = compile_step("uneven", lambda: (torch.randn(2, 16), torch.randn(2, 1)), world_size=WORLD, rank=rank)
+        (lowered,) = step.graphs["lowered"]
+        remove_noop_ops(lowered.graph)
+        graphs.append([str(n.target) for n in lowered.graph.nodes])
+        signatures.append((plan_signature(step.forward), plan_signature(step.backward)))
+    assert graphs[0] == graphs[1]
     assert signatures[0] == signatures[1]
 
 
