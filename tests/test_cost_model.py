@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import operator
 
 import pytest
 import torch
@@ -17,9 +18,12 @@ from autoshard.compiler.cost_model import (
     collective_of,
     collective_time,
     get_profile,
+    input_copied,
     node_flops,
     node_time,
+    workspace,
 )
+from autoshard.passes.step_model import peak_bytes
 from autoshard.tools.simulator import analyze, kwh_per_million_tokens
 
 from fake_pg import compile_step, fake_world
@@ -356,3 +360,42 @@ def test_saved_values_keep_their_forward_storage():
     backward = bw.module(bw(aten.add.Tensor, grad, bw(aten.view.default, saved_view, [250])))
     # At the last add: x 1000 (all step), loss 4 (a user output), grad 1000, result 1000.
     assert analyze(forward, backward, "h100").peak_bytes == 3004
+
+
+# The step model (passes/step_model.py, what the schedule decides by) and the simulator (what
+# the report shows) are two models of one thing: on the same graph, with the same profile's
+# assumptions (workspaces, late releases, copied inputs), their peaks must be the same number.
+_MULTI_OUTPUT = pytest.mark.xfail(strict=True, reason=(
+    "the step model counts a multi-output op's outputs (native_layer_norm_backward, ...) as one storage, alive until its "
+    "last-used element's last use; the simulator frees each output after its own last use"))
+
+
+def _step_model_peak(gm: fx.GraphModule, profile: str) -> int:
+    p = get_profile(profile)
+    nodes = list(gm.graph.nodes)
+    return peak_bytes(nodes, workspace(p), late_release=p.comm_release_late, input_copied=input_copied(p.comm_input_copied))[0]
+
+
+@pytest.mark.parametrize("profile, side", [
+    ("h100", "forward"), pytest.param("h100", "backward", marks=_MULTI_OUTPUT), ("cpu", "forward"), ("cpu", "backward"),
+])
+def test_the_step_model_and_the_simulator_agree_on_a_graphs_peak(gpt, profile, side):
+    """Each final graph of the GPT (default schedule) played alone, its inputs held by the
+    caller: the step model's peak is the simulator's."""
+    _, fw, bw = gpt(profile=profile)
+    gm = fw if side == "forward" else bw
+    assert _step_model_peak(gm, profile) == analyze(gm, None, profile).peak_bytes
+
+
+@_MULTI_OUTPUT
+def test_each_output_of_a_multi_output_op_is_freed_after_its_own_last_use():
+    """x (1000 B) -> layer norm: out (1000 B), mean, rstd (40 B each) -> relu(out) -> relu ->
+    add(..., mean). Where the second relu runs, out is dead: x, mean, the two relus: 3040 B."""
+    g = Builder()
+    x = g.input("x", 10, 25)
+    norm = g(aten.native_layer_norm.default, x, [25], None, None, 1e-5)
+    out, mean = g(operator.getitem, norm, 0), g(operator.getitem, norm, 1)
+    a = g(aten.relu.default, out)
+    b = g(aten.relu.default, a)
+    gm = g.module(g(aten.add.Tensor, b, mean))
+    assert (analyze(gm, None, "h100").peak_bytes, _step_model_peak(gm, "h100")) == (3040, 3040)
