@@ -279,6 +279,14 @@ def compile_fx(*args: Any, **kwargs: Any) -> Any:
     return importlib.import_module("torch._inductor.compile_fx").compile_fx(*args, **kwargs)
 
 
+def remove_noop_ops(graph: torch.fx.Graph) -> None:
+    """Inductor's removal of ops that change nothing (a pad of no rows, a slice of every row),
+    which its partitioner runs on the joint graph: tests check that it leaves every rank's graph alike."""
+    from torch._inductor.fx_passes.post_grad import remove_noop_ops as remove
+
+    remove(graph)
+
+
 def compile_fx_inner(*args: Any, **kwargs: Any) -> Any:
     """``torch._inductor.compile_fx.compile_fx_inner``, imported when first called."""
     return importlib.import_module("torch._inductor.compile_fx").compile_fx_inner(*args, **kwargs)

@@ -7,6 +7,7 @@ error raised on every rank.
 """
 from __future__ import annotations
 
+import ast
 import functools
 import hashlib
 import itertools
@@ -19,6 +20,7 @@ from torch import fx
 
 from autoshard._compat import default_store
 from autoshard.passes.graph_utils import collective_kind, group_ranks, is_wait, tensors, val
+from autoshard.runtime.errors import PlanMismatchError
 from autoshard.runtime.fail_together import first_failure, multi_rank, recorded_failure
 
 # Every rank numbers its exchanges alike: they follow the order in which graphs are compiled.
@@ -78,9 +80,9 @@ def _group_shape(group_name: str) -> object:
     return tuple(r - ranks[0] for r in ranks)
 
 
-def plan_signature(gm: fx.GraphModule) -> str:
-    """A hash of the graph's communication plan: its collectives and waits in order, with the
-    shapes, dtypes, groups (by shape, see :func:`_group_shape`) and parameters they move.
+def plan_events(gm: fx.GraphModule) -> list[tuple]:
+    """The graph's communication plan: its collectives and waits in order, with the shapes,
+    dtypes, groups (by shape, see :func:`_group_shape`) and parameters they move.
     Rank-independent by construction (shards are padded to equal sizes before any collective)."""
     events, index = [], {}
     for node in gm.graph.nodes:
@@ -94,7 +96,41 @@ def plan_signature(gm: fx.GraphModule) -> str:
             events.append((str(node.target), tuple(moved), tuple(args), node.meta.get("autoshard_params")))
         elif is_wait(node) and node.args[0] in index:
             events.append(("wait", index[node.args[0]]))
+    return events
+
+
+def plan_signature(gm: fx.GraphModule) -> str:
+    """A hash of :func:`plan_events`."""
+    return _signature(plan_events(gm))
+
+
+def _signature(events: list[tuple]) -> str:
     return hashlib.sha256(repr(events).encode()).hexdigest()[:16]
+
+
+def _describe(event: tuple | None) -> str:
+    if event is None:
+        return "nothing (its plan ends there)"
+    if event[0] == "wait":
+        return f"the wait of collective #{event[1]}"
+    target, moved, _, params = event
+    kind = target.split(".")[-2] if "." in target else target
+    shapes = ", ".join(f"{list(shape)} {dtype.removeprefix('torch.')}" for shape, dtype in moved)
+    names = ", ".join(params[:3]) + (f" and {len(params) - 3} more" if len(params) > 3 else "") if params else "?"
+    return f"{kind} of {shapes} moving {names}"
+
+
+def first_difference(plans: dict[int, list[tuple]]) -> str:
+    """Where ranks' plans (rank -> :func:`plan_events`) first differ, in words: the position
+    and, per distinct event there, what it is and which ranks have it."""
+    longest = max(map(len, plans.values()))
+    for i in range(longest):
+        at: dict[str, list[int]] = {}
+        for rank, events in sorted(plans.items()):
+            at.setdefault(_describe(events[i] if i < len(events) else None), []).append(rank)
+        if len(at) > 1:
+            return f"event {i} of the plan: " + "; ".join(f"ranks {ranks} have {what}" for what, ranks in at.items())
+    return "the plans hold the same events"
 
 
 def check_ranks_agree(gm: fx.GraphModule, what: str) -> None:
@@ -108,17 +144,21 @@ def check_ranks_agree(gm: fx.GraphModule, what: str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     key = f"autoshard/plan/{next(_exchanges)}"
     store = default_store()
-    store.set(f"{key}/{rank}", plan_signature(gm))
+    events = plan_events(gm)
+    # The events themselves, not only their hash: a mismatch names what differs.
+    store.set(f"{key}/{rank}", repr(events))
     keys = [f"{key}/{r}" for r in range(world)]
     _wait_for_plans(keys, what)
-    signatures = [store.get(k).decode() for k in keys]
-    if len(set(signatures)) > 1:
+    texts = [store.get(k).decode() for k in keys]
+    if len(set(texts)) > 1:
+        plans = {r: ast.literal_eval(text) for r, text in enumerate(texts)}
         groups: dict[str, list[int]] = {}
-        for r, sig in enumerate(signatures):
-            groups.setdefault(sig, []).append(r)
+        for r, events in plans.items():
+            groups.setdefault(_signature(events), []).append(r)
         detail = "; ".join(f"ranks {ranks}: {sig}" for sig, ranks in sorted(groups.items(), key=lambda kv: kv[1]))
-        raise RuntimeError(
+        raise PlanMismatchError(
             f"autoshard backend: ranks compiled different communication plans for the {what} graph ({detail}), "
-            "and running it would hang; make every rank run the same model code with the same shapes and options "
-            "(per-rank branches or per-rank input shapes split the plan)."
+            f"and running it would hang. First difference: {first_difference(plans)}. A per-rank branch or per-rank "
+            "input shapes in the model split the plan: make every rank run the same code with the same shapes and "
+            "options. If they already do, this is an autoshard bug: please report it with this message."
         )

@@ -1,0 +1,36 @@
+"""autoshard's errors, as types: code catches the one it means, never a message's text.
+
+Each subclasses the builtin it replaced (``ValueError`` for what the user asked for,
+``RuntimeError`` for what happened while running), so ``except ValueError`` in user code keeps
+working; messages keep the convention: which component, what is wrong, what to do.
+"""
+from __future__ import annotations
+
+
+class AutoshardError(Exception):
+    """Base of every error autoshard raises on purpose."""
+
+
+class UsageError(AutoshardError, ValueError):
+    """A bad argument or option: a value, a combination or a model autoshard cannot take."""
+
+
+class OverBudgetError(AutoshardError, ValueError):
+    """No schedule (or plan) fits the memory budget. ``smallest_bytes``: the least that fits,
+    when known."""
+
+    def __init__(self, message: str, smallest_bytes: int | None = None) -> None:
+        super().__init__(message)
+        self.smallest_bytes = smallest_bytes
+
+
+class InflightCapError(AutoshardError, ValueError):
+    """No schedule keeps the gathered parameters in flight under ``max_inflight_mb``."""
+
+
+class PlanMismatchError(AutoshardError, RuntimeError):
+    """Ranks compiled different communication plans for one graph: running it would hang."""
+
+
+class RankFailedError(AutoshardError, RuntimeError):
+    """Another rank failed (compiling or in a collective step); this one stops too."""
