@@ -6,8 +6,16 @@
 import sys
 
 from autoshard.compiler.backend import autoshard_backend
-from autoshard.runtime import checkpoint, ops
+from autoshard.runtime import checkpoint, errors, ops
 from autoshard.runtime.checkpoint import full_state_dict, load, save
+from autoshard.runtime.errors import (
+    AutoshardError,
+    InflightCapError,
+    OverBudgetError,
+    PlanMismatchError,
+    RankFailedError,
+    UsageError,
+)
 from autoshard.runtime.materialize import materialize, shards_in_place
 from autoshard.runtime.mixed_precision import MixedPrecision
 from autoshard.runtime.shard import shard
@@ -17,11 +25,12 @@ from autoshard.tools.plan import Plan, plan
 from autoshard.tools.report import Report
 
 __all__ = [
-    "MixedPrecision", "Plan", "Report", "autoshard_backend", "checkpoint", "explain", "explain_graphs", "full_state_dict", "launch",
+    "AutoshardError", "InflightCapError", "MixedPrecision", "OverBudgetError", "Plan", "PlanMismatchError", "RankFailedError",
+    "Report", "UsageError", "autoshard_backend", "checkpoint", "errors", "explain", "explain_graphs", "full_state_dict", "launch",
     "load", "materialize", "ops", "plan", "save", "shard", "shards_in_place",
 ]
 
-# Module paths users import (``autoshard.launch.run_ranks``, ``import autoshard.checkpoint``)
+# Module paths users import (``autoshard.launch.run_ranks``, ``import autoshard.checkpoint``, ``autoshard.errors``)
 # stay stable whichever subpackage holds the module.
-for _name, _module in {"checkpoint": checkpoint, "launch": launch, "ops": ops}.items():
+for _name, _module in {"checkpoint": checkpoint, "errors": errors, "launch": launch, "ops": ops}.items():
     sys.modules[f"{__name__}.{_name}"] = _module

@@ -8,6 +8,7 @@ from typing import Callable, Collection
 from torch import fx
 
 from autoshard._compat import c10d
+from autoshard.runtime.errors import InflightCapError, OverBudgetError
 
 from .graph_utils import (
     GATHERED,
@@ -149,7 +150,7 @@ def _capped(g: _Graph, distances: list[int], max_inflight_bytes: int) -> list[in
         while _peak(alive, g.issue_at(j, d), gather.last_use) + gather.nbytes > max_inflight_bytes:
             if d == 0:
                 need = _peak(alive, g.issue_at(j, d), gather.last_use) + gather.nbytes
-                raise ValueError(
+                raise InflightCapError(
                     f"autoshard option 'max_inflight_mb': {max_inflight_bytes / 2**20:.3f} MiB is below the {need / 2**20:.3f} MiB of "
                     "gathered parameters this graph holds at once even without prefetching; raise max_inflight_mb or "
                     "lower bucket_mb."
@@ -264,10 +265,11 @@ def schedule_overlap(
         if smallest > budget and memory_budget_bytes is None:
             budget = smallest  # the reference's peak is out of reach on this graph: come as close as we can
         if smallest > budget:
-            raise ValueError(
+            raise OverBudgetError(
                 f"autoshard option 'memory_budget_gb': {budget / 2**30:.3f} GiB is below what this graph needs even gathering "
                 f"each bucket at its use and waiting each reduction at once, {smallest / 2**30:.3f} GiB; raise memory_budget_gb to "
-                "at least that, lower bucket_mb, shard over more ranks, or recompute activations (torch.utils.checkpoint)."
+                "at least that, lower bucket_mb, shard over more ranks, or recompute activations (torch.utils.checkpoint).",
+                smallest_bytes=smallest,
             )
         fitting = [p for p in [_fit(g, evaluate(plan), budget, evaluate), *floors] if p.peak_bytes <= budget]
         plan = min(fitting, key=lambda p: (p.step_time, p.peak_bytes))

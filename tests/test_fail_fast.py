@@ -78,10 +78,10 @@ def test_a_rank_that_fails_fails_every_rank_within_seconds(tmp_path) -> None:
     r0, r1 = run_ranks(2, _failures, str(tmp_path), timeout=300)
     # save: rank 0 raises its own error; rank 1, blocked in a DCP collective, names rank 0's.
     assert r0["save"][0] == "RuntimeError: Numpy is not available"
-    assert r1["save"][0].startswith("RuntimeError: autoshard.save: failed on rank 0: RuntimeError: Numpy is not available")
+    assert r1["save"][0].startswith("RankFailedError: autoshard.save: failed on rank 0: RuntimeError: Numpy is not available")
     # load: rank 1's own error; rank 0 names it.
     assert r1["load"][0] == "OSError: disk went away"
-    assert r0["load"][0].startswith("RuntimeError: autoshard.load: failed on rank 1: OSError: disk went away")
+    assert r0["load"][0].startswith("RankFailedError: autoshard.load: failed on rank 1: OSError: disk went away")
     # compile: rank 0 stops waiting for rank 1's plan.
     assert "a pass failed on this rank" in r1["compile"][0]
     assert "rank 1 failed compiling (RuntimeError: a pass failed on this rank)" in r0["compile"][0]

@@ -28,12 +28,15 @@ from autoshard.passes import bucket_collectives, planned_buckets
 from autoshard.passes.graph_utils import collective_kind, is_wait, nbytes
 from autoshard.passes.schedule import PLAN, SchedulePlan
 from autoshard.passes.step_model import caller_cost
+from autoshard.runtime.errors import InflightCapError, OverBudgetError
 
 SPLITS = (2, 4)  # candidate buckets: the largest block bucket cut into this many parts
 TIES = 0.02  # step times within 2% of the fastest count as equal (run-to-run noise is larger): the smallest peak wins
 # schedule(graph, budget_bytes or None for the default) finds a bucketed graph's plan and
 # records it in graph.meta[PLAN], leaving the order as it is.
 Schedule = Callable[[fx.GraphModule, "int | None"], None]
+# What a trial raises when its buckets do not fit: any other error is a bug, and surfaces.
+DOES_NOT_FIT = (OverBudgetError, InflightCapError)
 
 
 @dataclass(frozen=True)
@@ -98,8 +101,9 @@ def choose_bucket_mb(
     graph bucketed at that cap, in its order before scheduling) for a lowered graph.
     ``budget``: the user's, or None for the default (FSDP2's peak on the block buckets: a
     split must fit that, not the smaller peak FSDP2's policy has on split buckets).
-    ValueError when a user's budget fits no candidate (the one of the smallest buckets); the
-    default always has a plan (block buckets, as close to FSDP2's peak as they come). The
+    OverBudgetError (or InflightCapError) when a user's budget fits no candidate (the error of
+    the smallest buckets); the default always has a plan (block buckets, as close to FSDP2's
+    peak as they come); any other error a trial raises is a bug and propagates. The
     plan is the one to schedule the bucketed graph with (no second search). ``gm`` is left
     as it is. ``timing``: how ``schedule`` prices graphs; with it, a split that
     :func:`step_time_floor` rules out is not tried (the choice is the same).
@@ -108,7 +112,7 @@ def choose_bucket_mb(
     plan: SchedulePlan | None = None
     try:
         blocks = _trial(gm, None, schedule, budget, opaque_copies)
-    except ValueError:
+    except DOES_NOT_FIT:
         if budget is None:
             raise
         blocks = _bucketed(gm, None, opaque_copies)
@@ -127,7 +131,7 @@ def choose_bucket_mb(
         try:
             trial = _trial(gm, mb, schedule, budget, opaque_copies)
             fitting.append((mb, trial.meta[PLAN], trial))
-        except ValueError as e:
+        except DOES_NOT_FIT as e:
             error = e
     if not fitting:
         if default or error is None:  # the default: block buckets, as close to FSDP2's peak as they come

@@ -20,7 +20,7 @@ from torch import fx
 
 from autoshard._compat import default_store
 from autoshard.passes.graph_utils import collective_kind, group_ranks, is_wait, tensors, val
-from autoshard.runtime.errors import PlanMismatchError
+from autoshard.runtime.errors import PlanMismatchError, RankFailedError
 from autoshard.runtime.fail_together import first_failure, multi_rank, recorded_failure
 
 # Every rank numbers its exchanges alike: they follow the order in which graphs are compiled.
@@ -55,7 +55,7 @@ def _wait_for_plans(keys: list[str], what: str) -> None:
     while not store.check(keys):
         if (failure := recorded_failure(_COMPILE_FAILED)) is not None:
             failed, message = failure
-            raise RuntimeError(f"autoshard backend: rank {failed} failed compiling ({message}); rank {dist.get_rank()} stops "
+            raise RankFailedError(f"autoshard backend: rank {failed} failed compiling ({message}); rank {dist.get_rank()} stops "
                                f"too instead of waiting for its {what} plan; fix the error rank {failed} raised (its own "
                                "traceback shows where).")
         if time.monotonic() > deadline:

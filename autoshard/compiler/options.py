@@ -5,6 +5,8 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from autoshard.runtime.errors import UsageError
+
 COMPILERS = ("inductor", "aot_eager", "eager")
 SCHEDULES = ("autoshard", "none", "fsdp2", "inductor")
 
@@ -54,21 +56,21 @@ class Options:
 
     def __post_init__(self) -> None:
         if self.compiler not in COMPILERS:
-            raise ValueError(f"autoshard option 'compiler' must be one of {COMPILERS}, got {self.compiler!r}.")
+            raise UsageError(f"autoshard option 'compiler' must be one of {COMPILERS}, got {self.compiler!r}.")
         if self.reshard_after_forward not in (None, True, False):
-            raise ValueError(
+            raise UsageError(
                 f"autoshard option 'reshard_after_forward' must be True, False or None, got {self.reshard_after_forward!r}."
             )
         if self.debug_dir is not None and not isinstance(self.debug_dir, str):
-            raise ValueError(f"autoshard option 'debug_dir' must be a path string, got {self.debug_dir!r}.")
+            raise UsageError(f"autoshard option 'debug_dir' must be a path string, got {self.debug_dir!r}.")
         if self.schedule not in SCHEDULES:
-            raise ValueError(f"autoshard option 'schedule' must be one of {SCHEDULES}, got {self.schedule!r}.")
+            raise UsageError(f"autoshard option 'schedule' must be one of {SCHEDULES}, got {self.schedule!r}.")
         for name, unit in (("bucket_mb", "MiB"), ("max_inflight_mb", "MiB"), ("memory_budget_gb", "GiB")):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
-                raise ValueError(f"autoshard option '{name}' must be a positive number of {unit}, got {value!r}.")
+                raise UsageError(f"autoshard option '{name}' must be a positive number of {unit}, got {value!r}.")
         if isinstance(self.optimizer_states, bool) or not isinstance(self.optimizer_states, int) or self.optimizer_states < 0:
-            raise ValueError(
+            raise UsageError(
                 f"autoshard option 'optimizer_states' must be a whole number >= 0 (2 for Adam/AdamW), got {self.optimizer_states!r}."
             )
         if self.profile is not None:
@@ -77,7 +79,7 @@ class Options:
             try:
                 get_profile(self.profile)
             except ValueError as e:
-                raise ValueError(f"autoshard option 'profile': {e}") from None
+                raise UsageError(f"autoshard option 'profile': {e}") from None
 
 
 def parse_options(options: dict[str, Any] | None) -> Options:
@@ -86,6 +88,6 @@ def parse_options(options: dict[str, Any] | None) -> Options:
     valid = [f.name for f in fields(Options)]
     unknown = sorted(set(options) - set(valid))
     if unknown:
-        raise ValueError(f"autoshard backend: unknown option(s) {unknown}; valid options are {valid}: "
+        raise UsageError(f"autoshard backend: unknown option(s) {unknown}; valid options are {valid}: "
                          "fix the key(s) in torch.compile(..., options={...}).")
     return Options(**options)

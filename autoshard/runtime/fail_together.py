@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from autoshard._compat import default_store
+from autoshard.runtime.errors import RankFailedError, UsageError
 
 # How long a rank whose collective broke waits for the failing rank's message.
 _SETTLE = timedelta(seconds=10)
@@ -109,7 +110,7 @@ def fail_together(what: str) -> Iterator[Link]:
         # A broken collective raises RuntimeError; an error of this rank's own (a ValueError
         # every rank found alike) is re-raised as it is.
         if failed_rank != rank and isinstance(error, RuntimeError):
-            raise RuntimeError(f"{what}: failed on rank {failed_rank}: {message} (rank {rank} stopped with it); "
+            raise RankFailedError(f"{what}: failed on rank {failed_rank}: {message} (rank {rank} stopped with it); "
                                f"fix the error rank {failed_rank} raised (its own traceback shows where).") from error
         raise
     dist.destroy_process_group(link.group)
@@ -154,7 +155,7 @@ def check_same_on_all_ranks(what: str, items: list, device: str) -> None:
     other = next(r for r in range(1, world) if every[r] != every[0])
     i = _first_difference(every[0], every[other])
     has = lambda r: repr(every[r][i]) if i < len(every[r]) else "nothing more"  # noqa: E731
-    raise ValueError(
+    raise UsageError(
         f"{what}: ranks disagree on what to shard; first difference, at entry {i}: rank 0 has {has(0)}, "
         f"rank {other} has {has(other)}. Every rank must build the same model (same config, same code path) "
         "and call it with the same arguments."

@@ -26,6 +26,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from autoshard._compat import fake_process_group, fake_tensor_mode, tree_leaves
 from autoshard.compiler.dump import recording
 from autoshard.compiler.options import SCHEDULES, parse_options
+from autoshard.runtime.errors import UsageError
 from autoshard.runtime.shard import _SHARDED, shard
 from autoshard.tools.report import Report
 
@@ -148,10 +149,6 @@ def _explain(
 # -- command line ------------------------------------------------------------------------------
 
 
-class UsageError(Exception):
-    """A problem with the command line's inputs: reported as one line, exit status 1."""
-
-
 def load_factory(caller: str, spec: str) -> Callable[[], nn.Module]:
     """``path/to/file.py:name`` or ``package.module:name`` -> the callable ``name``; errors
     start with ``caller`` (the command: ``"autoshard explain"``)."""
@@ -268,7 +265,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         factory = load_factory("autoshard explain", args.factory)
         reports = _explain(factory, input_maker("autoshard explain", args), args.world_size, args.profile, options)
-    except (UsageError, ValueError) as e:
+    except ValueError as e:  # UsageError, OverBudgetError, ...: reported as one line, exit status 1
         message = str(e) if str(e).startswith("autoshard") else f"autoshard explain: {e}"  # ours name their API
         sys.exit(message.replace("\n", " "))
     for i, report in enumerate(reports):

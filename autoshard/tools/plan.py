@@ -37,9 +37,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from autoshard._compat import fake_tensor_mode
 from autoshard.compiler.cost_model import get_profile
 from autoshard.compiler.options import parse_options
+from autoshard.runtime.errors import OverBudgetError, UsageError
 from autoshard.runtime.mixed_precision import MixedPrecision
 from autoshard.runtime.shard import _SHARDED, shard
-from autoshard.tools.explain import UsageError, add_input_arguments, explain, input_maker, load_factory
+from autoshard.tools.explain import add_input_arguments, explain, input_maker, load_factory
 from autoshard.tools.plan_layouts import PRECISIONS, Bounds, Candidate, Params, candidates
 from autoshard.tools.report_svg import fmt_bytes, fmt_energy, fmt_time
 from autoshard.tools.simulator import kwh_per_million_tokens
@@ -157,7 +158,7 @@ def _sharding(factory: Callable[[], nn.Module], c: Candidate) -> Callable[[], nn
     def make() -> nn.Module:
         model = factory()
         if getattr(model, _SHARDED, False):
-            raise ValueError("autoshard.plan: the factory returned a sharded model; return it unsharded: the plan chooses "
+            raise UsageError("autoshard.plan: the factory returned a sharded model; return it unsharded: the plan chooses "
                              "the sharding.")
         precision = _mixed_precision(c.precision)
         if c.blocks:  # blocks first, then the root, as with FSDP2's fully_shard
@@ -169,13 +170,13 @@ def _sharding(factory: Callable[[], nn.Module], c: Candidate) -> Callable[[], nn
     return make
 
 
-def _over_budget(error: BaseException | None) -> bool:
-    # The schedule's "below what this graph needs" error, possibly inside Dynamo's wrapper.
+def _over_budget(error: BaseException | None) -> OverBudgetError | None:
+    # The schedule's OverBudgetError, possibly inside Dynamo's wrapper.
     while error is not None:
-        if isinstance(error, ValueError) and "option 'memory_budget_gb'" in str(error):
-            return True
+        if isinstance(error, OverBudgetError):
+            return error
         error = error.__cause__ or getattr(error, "inner_exception", None)
-    return False
+    return None
 
 
 def _past_the_best_hybrid(outcomes: list[Outcome], limit: float) -> bool:
@@ -201,6 +202,7 @@ class _Search:
         self.factory, self.example_args, self.options, self.bounds, self.limit = factory, example_args, options, bounds, limit
         self.ranks_per_node, self.progress = ranks_per_node, progress
         self.outcomes: list[Outcome] = []
+        self.smallest_over: int | None = None  # the least an over-budget candidate's schedule needed (OverBudgetError)
 
     def fitting(self, precision: str | None = None) -> list[Outcome]:
         return [o for o in self.outcomes if o.error is None and o.peak_bytes <= self.limit
@@ -227,8 +229,11 @@ class _Search:
             try:
                 report = explain(_sharding(self.factory, c), *self.example_args, stages=_STAGES, **self.options)
             except Exception as e:  # noqa: BLE001 - Dynamo wraps the backend's error; only the budget's is an outcome
-                if not _over_budget(e):
+                over = _over_budget(e)
+                if over is None:
                     raise
+                if over.smallest_bytes is not None:
+                    self.smallest_over = min(self.smallest_over or over.smallest_bytes, over.smallest_bytes)
                 outcome = Outcome(c, error=OVER_BUDGET)
             else:
                 m = report.metrics
@@ -307,11 +312,11 @@ def plan(
     only where the lower bounds of :mod:`autoshard.tools.plan_layouts` leave them a chance),
     then, where the fastest does not fit the budget, the fastest that fits with as many of
     the model's repeated blocks as fit laid out as the faster one.
-    ValueError when no candidate fits, naming the smallest peak one has."""
+    OverBudgetError (a ValueError) when no candidate fits, naming the smallest peak one has."""
     if world_size < 1 or ranks_per_node < 1:
-        raise ValueError(f"autoshard.plan: world_size and ranks_per_node must be at least 1, got {world_size} and {ranks_per_node}.")
+        raise UsageError(f"autoshard.plan: world_size and ranks_per_node must be at least 1, got {world_size} and {ranks_per_node}.")
     if not precisions or not set(precisions) <= set(PRECISIONS):
-        raise ValueError(f"autoshard.plan: precisions must be some of {PRECISIONS}, got {precisions!r}; e.g. ('fp32', 'bf16').")
+        raise UsageError(f"autoshard.plan: precisions must be some of {PRECISIONS}, got {precisions!r}; e.g. ('fp32', 'bf16').")
     # Bad backend options fail here, before the first compile.
     states = parse_options({"compiler": "aot_eager", **options}).optimizer_states
     # The profile's links as the plan's nodes have them.
@@ -338,9 +343,16 @@ def plan(
     fitting = [(o.step_time, o.peak_bytes, i, o) for i, o in enumerate(outcomes) if o in search.fitting()]
     if not fitting:
         smallest = min((o.peak_bytes for o in outcomes if o.error is None), default=None)
-        hint = "" if smallest is None else f"; the smallest candidate peak is {smallest / 2**30:.3f} GiB"
-        raise ValueError(f"autoshard.plan: no layout of {world_size} ranks fits memory_budget_gb={memory_budget_gb}{hint}; raise the "
-                         "budget, use more ranks, or recompute activations (torch.utils.checkpoint).")
+        if smallest is not None:
+            hint = f"; the smallest candidate peak is {smallest / 2**30:.3f} GiB"
+        elif search.smallest_over is not None:  # every compiled candidate was over budget: what its schedule needs at least
+            smallest = search.smallest_over
+            hint = f"; the smallest candidate's schedule needs {smallest / 2**30:.3f} GiB before optimizer state"
+        else:
+            hint = ""
+        raise OverBudgetError(f"autoshard.plan: no layout of {world_size} ranks fits memory_budget_gb={memory_budget_gb}{hint}; "
+                              "raise the budget, use more ranks, or recompute activations (torch.utils.checkpoint).",
+                              smallest_bytes=smallest)
     best = min(fitting, key=lambda t: t[:3])[3].candidate
     return Plan(best.strategy, best.mesh_shape, world_size, ranks_per_node, device.name, memory_budget_gb, tuple(outcomes),
                 best.precision, best.blocks, best.block_strategy, best.block_mesh_shape, _tokens(example_args, world_size))
@@ -384,7 +396,7 @@ def run(args: argparse.Namespace) -> int:
         result = plan(factory, *example, world_size=args.world_size, ranks_per_node=args.ranks_per_node,
                       memory_budget_gb=args.memory_budget_gb, profile=args.profile, precisions=tuple(args.precisions),
                       progress=lambda line: print(line, flush=True))
-    except (UsageError, ValueError) as e:
+    except ValueError as e:  # UsageError, OverBudgetError, ...: reported as one line, exit status 1
         message = str(e) if str(e).startswith("autoshard") else f"autoshard plan: {e}"
         sys.exit(message.replace("\n", " "))
     print(result.summary())
