@@ -6,6 +6,7 @@
 import sys
 
 from autoshard.compiler.backend import autoshard_backend
+from autoshard.compiler.dump import register_report_writer
 from autoshard.runtime import checkpoint, errors, ops
 from autoshard.runtime.checkpoint import full_state_dict, load, save
 from autoshard.runtime.errors import (
@@ -18,19 +19,21 @@ from autoshard.runtime.errors import (
 )
 from autoshard.runtime.materialize import materialize, shards_in_place
 from autoshard.runtime.mixed_precision import MixedPrecision
-from autoshard.runtime.shard import shard
+from autoshard.runtime.shard import is_sharded, shard
 from autoshard.tools import launch
 from autoshard.tools.explain import explain, explain_graphs
 from autoshard.tools.plan import Plan, plan
-from autoshard.tools.report import Report
+from autoshard.tools.report import Report, write_report
 
 __all__ = [
     "AutoshardError", "InflightCapError", "MixedPrecision", "OverBudgetError", "Plan", "PlanMismatchError", "RankFailedError",
-    "Report", "UsageError", "autoshard_backend", "checkpoint", "errors", "explain", "explain_graphs", "full_state_dict", "launch",
-    "load", "materialize", "ops", "plan", "save", "shard", "shards_in_place",
+    "Report", "UsageError", "autoshard_backend", "checkpoint", "errors", "explain", "explain_graphs", "full_state_dict", "is_sharded",
+    "launch", "load", "materialize", "ops", "plan", "save", "shard", "shards_in_place",
 ]
 
 # Module paths users import (``autoshard.launch.run_ranks``, ``import autoshard.checkpoint``, ``autoshard.errors``)
 # stay stable whichever subpackage holds the module.
 for _name, _module in {"checkpoint": checkpoint, "errors": errors, "launch": launch, "ops": ops}.items():
     sys.modules[f"{__name__}.{_name}"] = _module
+
+register_report_writer(write_report)  # the backend's debug_dir reports: report.html, trace.json, summary.txt

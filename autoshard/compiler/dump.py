@@ -62,8 +62,8 @@ class GraphDump:
 
     def write_report(self, profile: str | DeviceProfile) -> None:
         """With a debug_dir: hand the stages written so far to every :data:`REPORT_WRITERS`
-        entry (``autoshard.tools.report`` adds ``report.html``, ``trace.json`` and
-        ``summary.txt``). A report that fails only warns: it must not stop the compile it
+        entry (``autoshard/__init__.py`` registers :func:`autoshard.tools.report.write_report`:
+        ``report.html``, ``trace.json`` and ``summary.txt``). A report that fails only warns: it must not stop the compile it
         describes."""
         if self.folder is None:
             return
@@ -74,6 +74,15 @@ class GraphDump:
                 warnings.warn(f"autoshard: could not write the report in {self.folder}: {type(e).__name__}: {e}", stacklevel=2)
 
 
-# What turns a graph's stages into reports next to them. The tools layer registers itself here
-# (importing autoshard does), so the compiler never imports the tools that read its output.
-REPORT_WRITERS: list[Callable[[dict[str, fx.GraphModule], "str | DeviceProfile", Path], None]] = []
+ReportWriter = Callable[[dict[str, fx.GraphModule], "str | DeviceProfile", Path], None]
+# What turns a graph's stages into reports next to them: filled by register_report_writer, which
+# autoshard/__init__.py calls with the tools' writer, so the compiler never imports the tools
+# that read its output.
+REPORT_WRITERS: list[ReportWriter] = []
+
+
+def register_report_writer(writer: ReportWriter) -> None:
+    """Have ``writer(stages, profile, folder)`` write a report in every debug_dir compile's
+    folder (once, however often it is registered)."""
+    if writer not in REPORT_WRITERS:
+        REPORT_WRITERS.append(writer)

@@ -40,6 +40,11 @@ _SHARDED = "_autoshard_root"  # set on every module passed to shard()
 STRATEGIES = ("full", "grad_op", "replicate", "hybrid")
 
 
+def is_sharded(module: nn.Module) -> bool:
+    """Whether ``module`` was passed to :func:`shard` (as the root or as a block)."""
+    return bool(getattr(module, _SHARDED, False))
+
+
 @dataclass(frozen=True)
 class ParamSpec:
     """What a parameter's annotation needs; plain constants so Dynamo guards on them cheaply."""

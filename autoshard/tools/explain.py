@@ -27,7 +27,7 @@ from autoshard._compat import fake_process_group, fake_tensor_mode, tree_leaves
 from autoshard.compiler.dump import recording
 from autoshard.compiler.options import SCHEDULES, parse_options
 from autoshard.runtime.errors import UsageError
-from autoshard.runtime.shard import _SHARDED, shard
+from autoshard.runtime.shard import is_sharded, shard
 from autoshard.tools.report import Report
 
 ModelOrFactory = nn.Module | Callable[[], nn.Module]
@@ -110,7 +110,7 @@ def _explain(
     parse_options(options)  # bad options fail here, before anything is built
     module = None
     if isinstance(model_or_factory, nn.Module):
-        if getattr(model_or_factory, _SHARDED, False):
+        if is_sharded(model_or_factory):
             raise ValueError("autoshard.explain: the module is already sharded; pass a factory that builds (and may shard) it instead.")
         module = copy.deepcopy(model_or_factory)  # shard() works in place; the caller's module stays as is
     elif not callable(model_or_factory):
@@ -127,7 +127,7 @@ def _explain(
                 raise TypeError(f"autoshard.explain: the factory returned {type(model).__name__}, not an nn.Module; "
                                 "make it return the model.")
             args = [_fake_like(a) for a in make_args(model)]  # before shard: errors name the user's class
-            if not getattr(model, _SHARDED, False):
+            if not is_sharded(model):
                 shard(model, mesh)
             out = torch.compile(model, backend="autoshard", options=options)(*args)
             trainable = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]

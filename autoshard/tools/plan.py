@@ -39,7 +39,7 @@ from autoshard.compiler.cost_model import get_profile
 from autoshard.compiler.options import parse_options
 from autoshard.runtime.errors import OverBudgetError, UsageError
 from autoshard.runtime.mixed_precision import MixedPrecision
-from autoshard.runtime.shard import _SHARDED, shard
+from autoshard.runtime.shard import is_sharded, shard
 from autoshard.tools.explain import add_input_arguments, explain, input_maker, load_factory
 from autoshard.tools.plan_layouts import PRECISIONS, Bounds, Candidate, Params, candidates
 from autoshard.tools.report_svg import fmt_bytes, fmt_energy, fmt_time
@@ -157,7 +157,7 @@ def _mixed_precision(precision: str) -> MixedPrecision | None:
 def _sharding(factory: Callable[[], nn.Module], c: Candidate) -> Callable[[], nn.Module]:
     def make() -> nn.Module:
         model = factory()
-        if getattr(model, _SHARDED, False):
+        if is_sharded(model):
             raise UsageError("autoshard.plan: the factory returned a sharded model; return it unsharded: the plan chooses "
                              "the sharding.")
         precision = _mixed_precision(c.precision)

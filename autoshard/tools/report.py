@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -18,7 +17,6 @@ import torch.distributed as dist
 from tabulate import tabulate
 from torch import fx
 
-from autoshard.compiler import dump
 from autoshard.compiler.cost_model import COLLECTIVE_KINDS, DeviceProfile, get_profile
 from autoshard.compiler.pipeline import STAGES
 from autoshard.passes.graph_utils import parameter_reads
@@ -32,21 +30,10 @@ from autoshard.tools.report_svg import downsample, peak_positions
 from autoshard.tools.report_svg import fmt_bytes as _fmt_bytes
 from autoshard.tools.report_svg import fmt_energy as _fmt_energy
 from autoshard.tools.report_svg import fmt_time as _fmt_time
+from autoshard.tools.report_view import ComputeGroup
 from autoshard.tools.simulator import Event, StepAnalysis, analyze
 
 __all__ = ["STAGES", "ComputeGroup", "PassSummary", "Report", "op_label", "summarize_pass"]
-
-
-@dataclass(frozen=True)
-class ComputeGroup:
-    """Consecutive compute nodes of one stage that ran back to back: no collective issued and
-    no wait stalled compute between them. ``label``: the model block most of them come from."""
-
-    stage: str
-    start: float
-    end: float
-    events: tuple[Event, ...]
-    label: str
 
 
 class Report:
@@ -313,8 +300,7 @@ class Report:
         (folder / "summary.txt").write_text(self.summary() + "\n\n" + "\n".join(p.text() for p in self.passes) + "\n")
 
 
-def _write_report(stages: Mapping[str, fx.GraphModule], profile: str | DeviceProfile, folder: Path) -> None:
+def write_report(stages: Mapping[str, fx.GraphModule], profile: str | DeviceProfile, folder: Path) -> None:
+    """The backend's debug_dir report (registered with
+    :func:`autoshard.compiler.dump.register_report_writer` by ``autoshard/__init__.py``)."""
     Report(stages, profile, title=str(folder)).save(folder)
-
-
-dump.REPORT_WRITERS.append(_write_report)  # the backend's debug_dir reports

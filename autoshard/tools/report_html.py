@@ -2,15 +2,11 @@
 fetched) drawn from a :class:`autoshard.tools.report.Report`."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from autoshard.tools.liveness import parameters_label
 from autoshard.tools.report_code import page_code
 from autoshard.tools.report_memory import MEMORY_CSS, memory_panel, peak_tables
 from autoshard.tools.report_svg import Layout, esc, fmt_bytes, fmt_time, ticks
-
-if TYPE_CHECKING:
-    from autoshard.tools.report import Report
+from autoshard.tools.report_view import ReportView
 
 PAGE_STAGES = ("forward", "backward")  # whose code the page carries: what runs; the rest are named
 
@@ -28,7 +24,7 @@ td.params{font-size:12px;max-width:700px}td.num{text-align:right}:target{backgro
 """
 
 
-def _lanes(r: Report, at: Layout) -> list[str]:
+def _lanes(r: ReportView, at: Layout) -> list[str]:
     """Lane backgrounds and labels, and the time axis."""
     svg = []
     for lane in at.lanes:
@@ -41,7 +37,7 @@ def _lanes(r: Report, at: Layout) -> list[str]:
     return svg
 
 
-def _boxes(r: Report, at: Layout) -> list[str]:
+def _boxes(r: ReportView, at: Layout) -> list[str]:
     """One box per compute group (named by its module where it fits), one per collective
     (linked to its bucket row), the exposed intervals shaded, and where the backward starts."""
     svg = []
@@ -76,7 +72,7 @@ def _boxes(r: Report, at: Layout) -> list[str]:
     return svg
 
 
-def _timeline(r: Report) -> str:
+def _timeline(r: ReportView) -> str:
     a = r.analysis
     at = Layout(max([a.step_time, *(e.end for e in a.timeline)]) or 1.0, ("compute", *sorted({e.lane for e in r.collectives()})))
     svg = _lanes(r, at) + memory_panel(r, at) + _boxes(r, at)
@@ -84,7 +80,7 @@ def _timeline(r: Report) -> str:
     return f'<svg width="{w}" height="{at.height}" viewBox="0 0 {w} {at.height}" role="img">{"".join(svg)}</svg>'
 
 
-def _bucket_rows(r: Report) -> str:
+def _bucket_rows(r: ReportView) -> str:
     """One row per collective, the most exposed first (then in program order)."""
     step = r.analysis.step_time or 1.0
     ranked = sorted(enumerate(r.collectives()), key=lambda ie: (-ie[1].exposed, ie[0]))
@@ -98,7 +94,7 @@ def _bucket_rows(r: Report) -> str:
     )
 
 
-def _stages(r: Report, files: frozenset[str]) -> str:
+def _stages(r: ReportView, files: frozenset[str]) -> str:
     """The code of :data:`PAGE_STAGES`, collapsed; the other stages by name (linked to their
     file when the page sits next to a debug_dir dump)."""
     parts, others = [], []
@@ -116,7 +112,7 @@ def _stages(r: Report, files: frozenset[str]) -> str:
     return "".join(parts)
 
 
-def render_html(r: Report, stage_files: frozenset[str] = frozenset()) -> str:
+def render_html(r: ReportView, stage_files: frozenset[str] = frozenset()) -> str:
     """The page of :meth:`autoshard.tools.report.Report.html`: summary, timeline with the
     memory panel, what is alive at the peak, buckets by exposed time, passes and the final
     stages' code. ``stage_files``: stages written as ``<stage>.py`` next to the page."""

@@ -3,13 +3,9 @@ area by what they hold (:data:`autoshard.tools.liveness.CATEGORIES`) on a labell
 peak and the lower bound marked; and the tables of what is alive at the peak."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from autoshard.tools.liveness import CATEGORIES
 from autoshard.tools.report_svg import Layout, byte_unit, esc, fmt_bytes, fmt_time, peak_positions, ticks
-
-if TYPE_CHECKING:
-    from autoshard.tools.report import Report
+from autoshard.tools.report_view import ReportView
 
 COLORS = {
     "shards": "#9c755f",
@@ -37,7 +33,7 @@ def _steps(xs: list[float], ys: list[float]) -> str:
     return " ".join(f"{x:.1f},{y:.1f}" for x, y in keep)
 
 
-def memory_panel(r: Report, at: Layout) -> list[str]:
+def memory_panel(r: ReportView, at: Layout) -> list[str]:
     """SVG parts: the stacked area (one polygon per category, drawn top-down so each covers
     the ones above it from its own top), the total as a line, a y axis in one byte unit, the
     peak dot, the lower bound dashed, and a legend with each category's bytes at the peak."""
@@ -98,7 +94,7 @@ def memory_panel(r: Report, at: Layout) -> list[str]:
     return svg
 
 
-def peak_tables(r: Report) -> str:
+def peak_tables(r: ReportView) -> str:
     """HTML: the bytes alive at the peak per category, and the largest tensors alive there."""
     a = r.analysis
     peak = a.memory_peak
