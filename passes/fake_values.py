@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from autoshard._compat import fake_from_meta, fake_view, unset_fake_temporarily
+from autoshard._compat import fake_from_meta, fake_view, schema_of, unset_fake_temporarily
 
 # Signature -> layout of the meta kernel's result. Bounded: cleared when full.
 _LAYOUTS: dict[tuple, Any] = {}
@@ -41,7 +41,7 @@ def _how(target: Any) -> str:
     """How :func:`fake_value` computes ``target``'s result: ``"view"`` (a view op returning one
     tensor: on its input's storage), ``"new"`` (returns new tensors: their meta kernel) or
     ``"fake"`` (in-place ops, anything else: the fake mode's own dispatch)."""
-    schema = getattr(target, "_schema", None)
+    schema = schema_of(target)
     if schema is None:
         return "fake"
     aliased = [r.alias_info is not None for r in schema.returns]

@@ -7,7 +7,7 @@ from typing import Callable
 import torch
 from torch import fx
 
-from autoshard._compat import c10d
+from autoshard._compat import c10d, schema_of
 
 from .graph_utils import (
     PADS,
@@ -46,7 +46,7 @@ _ALLOCATES = (aten.empty.memory_format, aten.cat.default, *PADS, aten.clone.defa
 def _returns_its_input(node: fx.Node) -> bool:
     # An in-place op (copy_ into a slice of a bucket, as PyTorch's bucketer does) returns its
     # first argument: its schema's return shares that argument's alias set.
-    schema = getattr(node.target, "_schema", None)
+    schema = schema_of(node.target)
     return bool(schema and schema.returns and schema.returns[0].alias_info is not None)
 
 

@@ -38,7 +38,7 @@ WHERE = (
 
 # (file, enclosing function, exception) -> why its message need not start with a WHERE.
 INTERNAL = {
-    ("autoshard/_compat.py", "schedule_overlap_bucketing", "ValueError"):
+    ("autoshard/_compat/inductor.py", "schedule_overlap_bucketing", "ValueError"):
         "internal: only passes/inductor_schedule.py calls it, with compute_estimator='analytical' and pre-bucketing off",
     ("autoshard/compiler/cost_model.py", "collective_time", "ValueError"):
         "internal: the kinds come from graph_utils.collective_kind and calibrate, never from a user",

@@ -19,9 +19,10 @@ from typing import Any, Sequence
 
 import torch
 
+from autoshard._compat import OpOverload
 from autoshard.runtime import ops
 
-Call = tuple[torch._ops.OpOverload, tuple]  # a per-parameter op, its arguments after the tensor
+Call = tuple[OpOverload, tuple]  # a per-parameter op, its arguments after the tensor
 
 _TABLE: dict[str, tuple[Call, ...]] = {}
 _KEYS: dict[tuple[Call, ...], str] = {}

@@ -30,15 +30,15 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from autoshard._compat import c10d, new_empty
+from autoshard._compat import OpOverload, c10d, new_empty, schema_arguments
 
 
-def arguments(op: torch._ops.OpOverload, args: Sequence[Any], kwargs: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def arguments(op: OpOverload, args: Sequence[Any], kwargs: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """An op call's arguments by their schema names, defaults filled in: how passes and these
     ops' autograd read arguments, never by position (here because every layer imports ops)."""
     kwargs = kwargs or {}
     found = {}
-    for i, a in enumerate(op._schema.arguments):
+    for i, a in enumerate(schema_arguments(op)):
         if i < len(args) and not a.kwarg_only:
             found[a.name] = args[i]
         elif a.name in kwargs:
@@ -48,9 +48,9 @@ def arguments(op: torch._ops.OpOverload, args: Sequence[Any], kwargs: Mapping[st
     return found
 
 
-def _gradients(op: torch._ops.OpOverload, **grads: Any) -> tuple:
+def _gradients(op: OpOverload, **grads: Any) -> tuple:
     """What a custom op's backward returns: one entry per input of ``op``, None but ``grads``."""
-    return tuple(grads.get(a.name) for a in op._schema.arguments)
+    return tuple(grads.get(a.name) for a in schema_arguments(op))
 
 
 def chunk_rows(dim0: int, world_size: int) -> int:
@@ -147,11 +147,11 @@ def _sink_grad(ctx, grad: torch.Tensor) -> torch.Tensor | None:
     return None if ctx.sink_dtype is None else grad.to(ctx.sink_dtype)
 
 
-def _backward_args(op: torch._ops.OpOverload, inputs: tuple, backward: torch._ops.OpOverload, **given: Any) -> tuple:
+def _backward_args(op: OpOverload, inputs: tuple, backward: OpOverload, **given: Any) -> tuple:
     """The arguments of ``backward`` after the gradient: those of the forward ``op`` of the
     same name, plus ``given``."""
     forward = {**arguments(op, inputs), **given}
-    return tuple(forward[a.name] for a in backward._schema.arguments[1:])
+    return tuple(forward[a.name] for a in schema_arguments(backward)[1:])
 
 
 def _unshard_setup(ctx, inputs, output):
@@ -226,7 +226,7 @@ FAKE = {UNSHARD: _unshard_fake, REPLICATE: _replicate_fake, _REDUCE_GRAD: _reduc
         _ALL_REDUCE_GRAD: _all_reduce_grad_fake}
 
 
-def backward_call(op: torch._ops.OpOverload, inputs: Sequence[Any]) -> tuple[torch._ops.OpOverload, tuple]:
+def backward_call(op: OpOverload, inputs: Sequence[Any]) -> tuple[OpOverload, tuple]:
     """What a synchronised backward of ``op`` (``unshard`` or ``replicate``) called with
     ``inputs`` applies to the gradient: the reduction op, and its arguments after the gradient."""
     tensor = inputs[0]  # the shard, or the replicated tensor
