@@ -6,8 +6,6 @@ schedules and buckets against each other, not to predict wall-clock time to the 
 """
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Collection, NamedTuple, Sequence
 
@@ -17,6 +15,17 @@ from torch import fx
 from torch.utils.flop_counter import flop_registry
 
 from autoshard._compat import c10d, optimization_hint
+
+# The profiles live in profiles.py; callers read them from here too.
+from autoshard.compiler.profiles import (  # noqa: F401
+    GLOO_INPUT_COPIED,
+    GLOO_RELEASE_LATE,
+    GLOO_WORKSPACE,
+    PROFILES,
+    DeviceProfile,
+    Link,
+    uniform_link,
+)
 from autoshard.passes.graph_utils import (
     COLLECTIVE_KINDS,
     arg,
@@ -32,182 +41,7 @@ from autoshard.passes.graph_utils import (
 aten = torch.ops.aten
 
 
-@dataclass(frozen=True)
-class Link:
-    """One interconnect level, as the ring formula of :func:`collective_time` uses it.
 
-    latency: seconds per ring step, per collective kind.
-    bandwidth: bus bandwidth (nccl-tests' "busbw") in bytes/s per rank, per collective kind.
-    """
-
-    name: str
-    latency: dict[str, float] = field(hash=False)
-    bandwidth: dict[str, float] = field(hash=False)
-
-
-@dataclass(frozen=True)
-class DeviceProfile:
-    """Throughput and latency figures of one device and the links between devices.
-
-    peak_flops: FLOP/s per dtype name ("float32", "bfloat16", ...); unlisted dtypes use float32's.
-    mem_bandwidth: device memory bytes/s.
-    launch_overhead: seconds added to every compute kernel, so tiny ops are not free.
-    op_overhead: seconds every ATen call of the graph costs, views included, when the graph
-        runs op by op from Python (aot_eager); 0 where the compiler fuses the graph into kernels.
-    ranks_per_node: ranks that share the ``intra`` link; a group spanning several nodes is
-        paced by ``inter`` (None: every rank is on one node).
-    source: where the figures come from.
-    comm_overlap: the share of a collective's time during which compute keeps full speed:
-        1 where collectives run on their own engines (GPUs), lower where they take cycles
-        from compute (CPU ranks sharing cores with gloo's threads).
-    comm_issue_cost: seconds of compute each collective costs its caller besides that share
-        (issuing it; on CPU ranks gloo's thread waking and polling on the compute's cores), so
-        one more collective is never free while it hides: what a tiny all-gather hidden behind
-        matmuls adds to their time, less ``(1 - comm_overlap)`` of its latency. 0 on GPUs.
-    comm_workspace: per collective kind, the bytes it allocates besides its input and output
-        while in flight (issue to wait), as a fraction of its full buffer; none where absent.
-        gloo stages a whole all-gather output and reduce-scatter input (:data:`GLOO_WORKSPACE`).
-    comm_input_copied: collective kinds whose backend copies the input when the collective is
-        issued and works on the copy (gloo's reduce-scatter reduces a clone, its workspace): the
-        input is free from the issue on. Measured on 2 gloo ranks: a 16 MiB reduce-scatter
-        input dropped after the issue is freed at once. Elsewhere (NCCL) the collective reads
-        its input until it ends.
-    comm_release_late: the collective kinds whose buffers may outlive the wait: the memory
-        models keep them until the next collective is issued. None on the ``cpu`` profile: gloo
-        frees what it holds on its own thread, sometimes well after the wait, but graphs run op
-        by op free their collectives' buffers themselves (passes/gloo.py); measured on 2 gloo
-        ranks, one plan's peak then repeats (146.1 MiB three times, where it had moved from 146
-        to 194 MiB). Inductor's graphs leave them to gloo: the backend then counts
-        :data:`GLOO_RELEASE_LATE`.
-    fsdp2_blocking: whether FSDP2 eager's collectives block their caller here (gloo on CPU:
-        no side streams): its forward then gathers at use, its backward prefetch only gathers
-        early, each reduce-scatter ends before the next bucket, and its buffers are freed
-        when the call returns. Elsewhere (GPUs) it prefetches the next bucket and keeps one
-        reduce-scatter in flight. The default schedule never plans above that peak.
-    busy_power_w, idle_power_w: watts one device draws computing, and waiting (on the network);
-        None where unknown (then no energy is predicted). See ``StepAnalysis.energy_j``.
-    """
-
-    name: str
-    # Dicts are excluded from the hash so profiles can still key caches.
-    peak_flops: dict[str, float] = field(hash=False)
-    mem_bandwidth: float
-    launch_overhead: float
-    ranks_per_node: int
-    intra: Link
-    inter: Link | None = None
-    source: str = ""
-    comm_overlap: float = 1.0
-    comm_issue_cost: float = 0.0
-    op_overhead: float = 0.0
-    comm_workspace: dict[str, float] = field(default_factory=dict, hash=False)
-    comm_input_copied: tuple[str, ...] = ()
-    comm_release_late: tuple[str, ...] = ()
-    fsdp2_blocking: bool = False
-    busy_power_w: float | None = None
-    idle_power_w: float | None = None
-
-    def fsdp2_policy(self, side: str) -> tuple[int, int]:
-        """FSDP2 eager's (prefetch distance, reductions in flight) on ``side`` of the step."""
-        if self.fsdp2_blocking:
-            return (0 if side == "forward" else 1), 0
-        return 1, 1
-
-    def flops_per_s(self, dtype: torch.dtype) -> float:
-        """Peak FLOP/s for ``dtype`` (the float32 figure for unlisted dtypes)."""
-        return self.peak_flops.get(str(dtype).removeprefix("torch."), self.peak_flops["float32"])
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2)
-
-    @staticmethod
-    def from_json(text: str) -> DeviceProfile:
-        data = json.loads(text)
-        links = {k: Link(**data[k]) if data.get(k) else None for k in ("intra", "inter")}
-        late = data.get("comm_release_late", ())
-        late = tuple(late) if isinstance(late, (list, tuple)) else ()  # older files: a bool, for what graphs now free
-        return DeviceProfile(**{**data, **links, "comm_input_copied": tuple(data.get("comm_input_copied", ())),
-                                "comm_release_late": late})
-
-
-def uniform_link(name: str, latency: float, bandwidth: float) -> Link:
-    """A link with the same latency and bus bandwidth for every collective kind."""
-    return Link(name, dict.fromkeys(COLLECTIVE_KINDS, latency), dict.fromkeys(COLLECTIVE_KINDS, bandwidth))
-
-
-def _dgx(name: str, bf16: float, tf32: float, hbm: float, nvlink: Link, infiniband: Link, source: str,
-         watts: tuple[float, float]) -> DeviceProfile:
-    """A GPU of an 8-GPU DGX node: dense tensor-core peaks (no sparsity; TF32 for float32,
-    which training enables for matmuls), ~5 us per kernel launch and scheduling gap;
-    ``watts``: (busy, idle) power."""
-    return DeviceProfile(
-        name=name, peak_flops={"bfloat16": bf16, "float16": bf16, "float32": tf32}, mem_bandwidth=hbm,
-        launch_overhead=5e-6, ranks_per_node=8, intra=nvlink, inter=infiniband,
-        busy_power_w=watts[0], idle_power_w=watts[1],
-        source=f"{source}; nccl-tests PERFORMANCE.md (busbw)",
-    )
-
-
-# gloo's all_gather_into_tensor and reduce_scatter_tensor allocate a temporary as large as the
-# full buffer for as long as they run (torch.profiler memory events, 2 CPU ranks, a 16 MiB
-# buffer: 16 MiB each; all_reduce works in place). Over gloo the graphs run reduce-scatters as
-# all-to-alls (passes/gloo.py): the output they receive into is as large, and the input is read
-# until the wait (pipeline.gloo_memory).
-GLOO_WORKSPACE = {"all_gather": 1.0, "reduce_scatter": 1.0}
-GLOO_INPUT_COPIED = ("reduce_scatter",)  # the staged copy above is a clone of the input
-GLOO_RELEASE_LATE = ("all_gather", "reduce_scatter")  # what gloo's thread frees when it gets round to it
-
-PROFILES: dict[str, DeviceProfile] = {
-    # NVIDIA H100 SXM5 datasheet: BF16/FP16 989 TFLOP/s, TF32 495 TFLOP/s, HBM3 3.35 TB/s.
-    # NVLink 4: 900 GB/s bidirectional per GPU = 450 GB/s per direction; nccl-tests reach
-    # about 80% of it as bus bandwidth for all-gather and reduce-scatter. DGX H100: one
-    # 400 Gb/s ConnectX-7 InfiniBand NIC per GPU = 50 GB/s; ~90% reached. Power: busy at the
-    # datasheet's max TDP, 700 W (an upper bound: training rarely holds it). Idle 100 W is an
-    # approximation, not a datasheet figure: nvidia-smi commonly reads ~70-100 W on an idle H100
-    # SXM; we take the top, a waiting rank stays at P0 with its memory held (140-145 W is read
-    # so at 0% utilisation in github.com/wilicc/gpu-burn/issues/114).
-    "h100": _dgx("h100", 989e12, 495e12, 3.35e12,
-                 uniform_link("nvlink4", latency=2e-6, bandwidth=360e9),
-                 uniform_link("infiniband-ndr", latency=5e-6, bandwidth=45e9),
-                 "NVIDIA H100 SXM5 datasheet; NVIDIA DGX H100 user guide", watts=(700.0, 100.0)),
-    # NVIDIA A100 SXM4 datasheet: BF16/FP16 312 TFLOP/s dense, TF32 156 TFLOP/s, 80 GB HBM2e
-    # 2.039 TB/s. NVLink 3: 600 GB/s bidirectional = 300 GB/s per direction; ~80% as bus
-    # bandwidth. DGX A100: one 200 Gb/s HDR InfiniBand NIC per GPU = 25 GB/s; ~90% reached.
-    # Power: busy at the datasheet's max TDP, 400 W; idle 60 W approximates what nvidia-smi
-    # commonly reads on an idle A100 SXM4 (~50-60 W), not a datasheet figure.
-    "a100": _dgx("a100", 312e12, 156e12, 2.039e12,
-                 uniform_link("nvlink3", latency=2e-6, bandwidth=240e9),
-                 uniform_link("infiniband-hdr", latency=5e-6, bandwidth=22.5e9),
-                 "NVIDIA A100 SXM4 datasheet; NVIDIA DGX A100 user guide", watts=(400.0, 60.0)),
-    # The 2-core development machine, gloo over loopback, 2 ranks of 1 thread each: rounded
-    # from `python -m autoshard calibrate --world-sizes 2` on a quiet machine (figures move by
-    # up to 2x while other jobs share the cores). reduce_scatter is gloo's run as an
-    # all-to-all and a mean (passes/gloo.py), scaled from all_gather by the ratio a calibration
-    # of that form measured on 2026-12-01 (latency 0.91x, bandwidth 0.93x all_gather's; gloo's
-    # own reduce-scatter, an all-reduce of a copy: 1.25x and 0.69x).
-    "cpu": DeviceProfile(
-        name="cpu",
-        peak_flops={"float32": 37e9, "bfloat16": 1.3e9, "float16": 1.6e9},
-        mem_bandwidth=9.5e9,
-        launch_overhead=0.0,
-        op_overhead=7e-6,
-        ranks_per_node=1024,
-        intra=Link(
-            "gloo-loopback",
-            latency={"all_gather": 570e-6, "reduce_scatter": 520e-6, "all_reduce": 350e-6},
-            bandwidth={"all_gather": 0.42e9, "reduce_scatter": 0.39e9, "all_reduce": 0.83e9},
-        ),
-        source="measured by python -m autoshard calibrate on the 2-core development VM, 2026-11-29, torch 2.13.0+cpu",
-        comm_overlap=0.64,
-        # Measured on 2026-12-02 (calibrate's method): a 64-byte all-gather hidden behind 1 ms
-        # of matmuls added 0.54-0.74 ms to them, against 0.19-0.52 ms for the all-gather alone.
-        comm_issue_cost=450e-6,
-        comm_workspace=GLOO_WORKSPACE,
-        comm_input_copied=GLOO_INPUT_COPIED,
-        fsdp2_blocking=True,
-        # No power figures: this VM cannot read its package power, and a guess would only look precise.
-    ),
-}
 
 
 def get_profile(name: str | DeviceProfile) -> DeviceProfile:
