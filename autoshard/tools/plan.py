@@ -24,10 +24,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -38,120 +35,11 @@ from autoshard._compat import fake_tensor_mode
 from autoshard.compiler.cost_model import get_profile
 from autoshard.compiler.options import parse_options
 from autoshard.runtime.errors import OverBudgetError, UsageError
-from autoshard.runtime.mixed_precision import MixedPrecision
 from autoshard.runtime.shard import is_sharded, shard
 from autoshard.tools.explain import add_input_arguments, explain, input_maker, load_factory
 from autoshard.tools.plan_layouts import PRECISIONS, Bounds, Candidate, Params, candidates
-from autoshard.tools.report_svg import fmt_bytes, fmt_energy, fmt_time
-from autoshard.tools.simulator import kwh_per_million_tokens
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """A candidate as the cost model plays it; ``error`` when it does not compile (its budget)."""
-
-    candidate: Candidate
-    step_time: float | None = None  # seconds
-    exposed_comm: float | None = None  # seconds
-    peak_bytes: int | None = None  # per rank, optimizer state included
-    error: str | None = None
-    energy_j: float | None = None  # per rank and step (None where the profile has no power figures)
-    link_bytes: tuple[float, float] | None = None  # sent per rank and step within a node, across nodes (Bounds.link_bytes)
-
-
-@dataclass(frozen=True)
-class Plan:
-    """The chosen layout and what every candidate was predicted to cost. Flat fields, so
-    ``autoshard.shard(model, plan=plan)`` reads them without importing the planner."""
-
-    strategy: str
-    mesh_shape: tuple[int, ...]
-    world_size: int
-    ranks_per_node: int
-    profile: str
-    memory_budget_gb: float | None
-    outcomes: tuple[Outcome, ...] = field(default=())
-    precision: str = "fp32"
-    blocks: tuple[str, ...] = ()  # sharded first, as block_strategy on block_mesh_shape
-    block_strategy: str = ""
-    block_mesh_shape: tuple[int, ...] = ()
-    tokens_per_step: int | None = None  # over all ranks, when the first input holds token ids
-
-    @property
-    def candidate(self) -> Candidate:
-        return Candidate(self.strategy, self.mesh_shape, self.precision, self.blocks, self.block_strategy, self.block_mesh_shape)
-
-    @property
-    def chosen(self) -> Outcome:
-        return next(o for o in self.outcomes if o.candidate == self.candidate)
-
-    @property
-    def mixed_precision(self) -> MixedPrecision | None:
-        """What ``autoshard.shard`` takes for the plan's precision."""
-        return _mixed_precision(self.precision)
-
-    def summary(self) -> str:
-        budget = "none" if self.memory_budget_gb is None else f"{self.memory_budget_gb:g} GiB"
-        names = [("* " if o.candidate == self.candidate else "  ") + o.candidate.label(self.ranks_per_node) for o in self.outcomes]
-        width = max(len("candidate"), *map(len, names))
-        lines = [f"plan for {self.world_size} ranks ({self.ranks_per_node} per node), profile {self.profile}, budget {budget}",
-                 f"{'candidate':{width}s} {'mesh':>16s} {'step':>10s} {'exposed':>8s} {'peak per rank':>14s} {'sent in node':>12s} "
-                 f"{'across nodes':>12s} {'energy/step':>12s}"
-                 + (f" {'kWh/Mtok':>9s}" if self.tokens_per_step else "")]
-        for name, o in zip(names, self.outcomes):
-            c = o.candidate
-            mesh = str(c.mesh_shape) if c.whole else f"{c.mesh_shape}+{c.block_mesh_shape}"
-            if o.error is not None:
-                lines.append(f"{name:{width}s} {mesh:>16s}   {o.error}")
-                continue
-            over = "" if o.peak_bytes <= _limit_bytes(self.memory_budget_gb) else "  over budget"
-            energy = "" if o.energy_j is None else fmt_energy(o.energy_j * self.world_size)  # over all ranks
-            kwh = (f" {kwh_per_million_tokens(o.energy_j, self.world_size, self.tokens_per_step):9.3g}"
-                   if self.tokens_per_step and o.energy_j is not None else "")
-            within, across = (fmt_bytes(b) for b in o.link_bytes) if o.link_bytes else ("", "")
-            lines.append(f"{name:{width}s} {mesh:>16s} {fmt_time(o.step_time):>10s} {o.exposed_comm / o.step_time:8.1%} "
-                         f"{fmt_bytes(o.peak_bytes):>14s} {within:>12s} {across:>12s} {energy:>12s}{kwh}{over}")
-        if not self.candidate.whole:
-            lines.append(f"{len(self.blocks)} blocks ({', '.join(self.blocks[:3])}{', ...' if len(self.blocks) > 3 else ''}): "
-                         f"{self.block_strategy} on {self.block_mesh_shape}; the rest: {self.strategy} on {self.mesh_shape}")
-        return "\n".join(lines)
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2)
-
-    @staticmethod
-    def from_json(text: str) -> Plan:
-        data = json.loads(text)
-        outcomes = tuple(Outcome(**{**o, "candidate": _candidate(o["candidate"]),
-                                    "link_bytes": tuple(o["link_bytes"]) if o.get("link_bytes") else None})
-                         for o in data.pop("outcomes"))
-        return Plan(**{**data, **_tuples(data), "outcomes": outcomes})
-
-    def save(self, path: str | Path) -> None:
-        Path(path).write_text(self.to_json())
-
-    @staticmethod
-    def load(path: str | Path) -> Plan:
-        return Plan.from_json(Path(path).read_text())
-
-
-_TUPLES = ("mesh_shape", "blocks", "block_mesh_shape")  # JSON keeps them as lists
-
-
-def _tuples(data: dict) -> dict:
-    return {key: tuple(data[key]) for key in _TUPLES if key in data}
-
-
-def _candidate(data: dict) -> Candidate:
-    return Candidate(**{**data, **_tuples(data)})
-
-
-def _limit_bytes(memory_budget_gb: float | None) -> float:
-    return float("inf") if memory_budget_gb is None else memory_budget_gb * 2**30
-
-
-def _mixed_precision(precision: str) -> MixedPrecision | None:
-    return None if precision == "fp32" else MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+from autoshard.tools.plan_result import Outcome, Plan, _limit_bytes, _mixed_precision
+from autoshard.tools.report_svg import fmt_bytes, fmt_time
 
 
 def _sharding(factory: Callable[[], nn.Module], c: Candidate) -> Callable[[], nn.Module]:
