@@ -63,7 +63,8 @@ def test_the_report_describes_each_step_from_the_declaration():
     assert pipeline.what_happened("joint", "lowered") == (
         "shared parameters merged, then annotations replaced by collectives"
     )
-    expected = "partition, then bucket: per-parameter collectives merged into flat ones"
+    expected = ("partition, then collectives nothing reads dropped, repeated waits merged, then bucket: per-parameter "
+                "collectives merged into flat ones")
     assert pipeline.what_happened("lowered", "backward_bucketed") == expected
     assert pipeline.what_happened("forward_bucketed", "forward") == (
         "schedule: prefetch and reorder within the memory budget, then over gloo, gathers write into buffers, reduce-scatters "

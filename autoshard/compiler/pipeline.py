@@ -227,7 +227,7 @@ PARTITIONED: tuple[Step, ...] = (
     Pass("lower_annotations", lambda gm, ctx: lower_annotations(gm), "lower", frozenset({UNBATCHED}), frozenset({LOWERED})),
     # The partitioner leaves gathers nothing reads and merges equal reductions into one with two
     # waits; the passes after this one see one wait and a use per collective.
-    Pass("normalize_collectives", lambda gm, ctx: normalize_collectives(gm), "collectives nothing reads dropped",
+    Pass("normalize_collectives", lambda gm, ctx: normalize_collectives(gm), "collectives nothing reads dropped, repeated waits merged",
          frozenset({LOWERED})),
     Pass("bucket_collectives", _bucket,
          "bucket: per-parameter collectives merged into flat ones", frozenset({LOWERED}), frozenset({BUCKETS}), OURS),
