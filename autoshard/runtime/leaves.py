@@ -52,7 +52,7 @@ class Leaves(NamedTuple):
     param: nn.Parameter  # the DTensor parameter it views
     leaf: nn.Parameter
     ghost: torch.Tensor  # what a forward traced for autoshard reads: the full parameter's shape, no memory
-    spec: Any  # the parameter's annotation (autoshard.runtime.shard.ParamSpec)
+    spec: Any  # the parameter's annotation (autoshard.runtime.sharded.ParamSpec)
 
 
 class _GradLink:

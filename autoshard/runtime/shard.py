@@ -18,12 +18,9 @@ in ``module._parameters``.
 """
 from __future__ import annotations
 
-import copy
-import functools
 import warnings
-from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterator
+from dataclasses import replace
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,178 +28,26 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Placement
 
-from autoshard.runtime import grad_sync, leaves, ops
+from autoshard.runtime import grad_sync, leaves
 from autoshard.runtime.fail_together import check_same_on_all_ranks
 from autoshard.runtime.layout import layout, to_dtensor
 from autoshard.runtime.mixed_precision import MixedPrecision, cast_inputs_hook, dtypes_for
+from autoshard.runtime.sharded import (  # re-exported: imported from here before the split
+    _SHARDED,
+    ParamSpec,
+    ShardedModule,
+    _reclass,
+    is_sharded,
+    parameters_as_shards,
+)
 
-_SHARDED = "_autoshard_root"  # set on every module passed to shard()
+__all__ = ["STRATEGIES", "ParamSpec", "ShardedModule", "is_sharded", "parameters_as_shards", "shard"]
+
 STRATEGIES = ("full", "grad_op", "replicate", "hybrid")
-
-
-def is_sharded(module: nn.Module) -> bool:
-    """Whether ``module`` was passed to :func:`shard` (as the root or as a block)."""
-    return bool(getattr(module, _SHARDED, False))
-
-
-@dataclass(frozen=True)
-class ParamSpec:
-    """What a parameter's annotation needs; plain constants so Dynamo guards on them cheaply."""
-
-    group_name: str  # the group the parameter is sharded over (replicated: averaged over)
-    world_size: int
-    dim0: int  # full rows; -1 for a replicated parameter (0-d, or strategy "replicate")
-    reshard: bool
-    name: str  # fully qualified, relative to the outermost module passed to shard()
-    param_dtype: torch.dtype | None = None  # gathered and computed in; None: its own
-    reduce_dtype: torch.dtype | None = None  # gradients reduced in; None: the gradient's
-    replica_group: str = ""  # hybrid: gradients are then averaged over this group too
-    replicas: int = 1
-    # The annotation op and its arguments before and after ``sink``, built once: a parameter
-    # use then loads an op and two tuples of constants, which Dynamo traces much faster than
-    # ten attributes.
-    op: Callable[..., torch.Tensor] = field(init=False, compare=False, repr=False)
-    head: tuple = field(init=False, compare=False, repr=False)
-    tail: tuple = field(init=False, compare=False, repr=False)
-
-    def __post_init__(self) -> None:
-        shape = (self.world_size,) if self.dim0 < 0 else (self.world_size, self.dim0, self.reshard)
-        # The ops' overloads themselves: calling their Python wrappers costs Dynamo a frame each.
-        object.__setattr__(self, "op", ops.REPLICATE if self.dim0 < 0 else ops.UNSHARD)
-        object.__setattr__(self, "head", (self.group_name, *shape, self.name))
-        object.__setattr__(self, "tail", (self.param_dtype, self.reduce_dtype, self.replica_group, self.replicas))
-
-
-class ShardedModule:
-    """Mixed into the class of every module ``shard`` touches (like FSDP2's ``FSDPModule``)."""
-
-    def __deepcopy__(self, memo: dict) -> nn.Module:
-        # nn.Module's own deep copy, then the leaves' check pointed at the copy: it holds its
-        # module, and a copied check would read the original's leaves.
-        cls = type(self)
-        copied = cls.__new__(cls)
-        memo[id(self)] = copied
-        copied.__setstate__(copy.deepcopy(self.__dict__, memo))
-        if getattr(self, _SHARDED, False):
-            leaves.attach_check(copied)
-        return copied
-
-    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
-        """Whether backward reduces gradients across ranks (default True).
-
-        For gradient accumulation, turn it off for all micro-batches but the last::
-
-            for i, micro_batch in enumerate(micro_batches):
-                model.set_requires_gradient_sync(i == len(micro_batches) - 1)
-                model(*micro_batch).backward()
-            optimizer.step()
-
-        Off, each trainable parameter accumulates its full local gradient (memory: one
-        unsharded gradient per parameter, in the reduce dtype) and nothing is communicated in
-        backward; turning it on reduces what was accumulated into the sharded ``.grad`` (a
-        blocking collective: call it on every rank). Compiled models get one variant per
-        setting, so alternating recompiles nothing. ``recurse``: also for every submodule.
-        See :mod:`autoshard.grad_sync`.
-        """
-        grad_sync.set_requires_gradient_sync(self.modules() if recurse else [self], requires_gradient_sync)
-
-
-# Inside parameters_as_shards(): a global, not a module attribute, so that entering and leaving
-# changes nothing Dynamo guards on in a compiled model.
-_as_shards = 0
-_is_compiling = torch.compiler.is_compiling  # a global: one attribute lookup less per traced read
-
-
-def _getter(name: str) -> Callable[[nn.Module], torch.Tensor]:
-    """The property getter of sharded parameter ``name``: its full value, through its
-    annotation op. Dynamo inlines this for every parameter use, so it is one flat function
-    reading few attributes (an extra call level, a dict lookup or a call Dynamo runs for real
-    each cost a use 1-4 ms to trace)."""
-    leaf_attribute, ghost_attribute = leaves.leaf_attribute(name), leaves.ghost_attribute(name)
-    sync, sinks = grad_sync.SYNC, grad_sync.SINKS
-
-    def get(self: nn.Module) -> torch.Tensor:
-        if _as_shards:
-            return self._parameters[name]
-        if _is_compiling():
-            # For autoshard's backend, synchronised (leaves.show_reads): a graph input of the
-            # full shape, which the backend gathers (autoshard/compiler/ghosts.py).
-            ghost = getattr(self, ghost_attribute)
-            if ghost is not None:
-                return ghost
-            leaf = getattr(self, leaf_attribute)  # synced as the root's forward was traced (_checked_forward)
-        else:
-            leaf = leaves.synced(leaves.leaves_of(self, name))
-        spec = self._autoshard_specs[name]
-        # Python constants that Dynamo guards on: one compiled variant per setting.
-        sink = None if getattr(self, sync) or not leaf.requires_grad else getattr(self, sinks)[name]
-        return spec.op(leaf, *spec.head, sink, *spec.tail)
-
-    return get
-
-
-_subclasses: dict[tuple[type, tuple[str, ...], bool], type] = {}
-_base_of: dict[type, type] = {}  # sharded subclass -> the user's class
 # Each sharded parameter keeps its spec under this attribute, so a module that shares an
 # already sharded parameter (a tied head sharded after its embedding) gets the same annotation.
 _SPEC = "_autoshard_spec"
 _SHARDED_AS = "_autoshard_sharded_as"  # on a replaced plain parameter: its shard
-
-
-def _apply_keeping_leaves(self: nn.Module, fn, recurse: bool = True) -> nn.Module:
-    # .to(), to_empty() and friends may give shards new storage: the forward's leaves follow.
-    result = _base_of[type(self)]._apply(self, fn, recurse)
-    leaves.refresh(self)
-    return result
-
-
-def _checked_forward(forward: Callable) -> Callable:
-    """The forward of a module passed to ``shard``: its class's, after syncing the leaves under
-    it as Dynamo starts tracing it (leaves.check_before_tracing). A method, not a forward
-    pre-hook: Dynamo traces a compiled module's forward on every torch release, its hooks
-    not on all."""
-
-    @functools.wraps(forward)
-    def checked(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        leaves.check_before_tracing(self)
-        return forward(self, *args, **kwargs)
-
-    return checked
-
-
-def _sharded_class(cls: type, names: tuple[str, ...], root: bool = False) -> type:
-    """A subclass of ``cls`` whose ``names`` are properties returning full parameters; for a
-    module passed to ``shard`` (``root``), with its leaves checked as a forward is traced."""
-    cls = _base_of.get(cls, cls)
-    key = (cls, names, root)
-    if key not in _subclasses:
-        props: dict = {n: property(_getter(n)) for n in names}
-        props["_apply"] = _apply_keeping_leaves
-        if root:
-            props["forward"] = _checked_forward(cls.forward)
-        sub = type(f"Sharded{cls.__name__}", (cls, ShardedModule), props)
-        _subclasses[key], _base_of[sub] = sub, cls
-    return _subclasses[key]
-
-
-@contextmanager
-def parameters_as_shards() -> Iterator[None]:
-    """Inside, reading a sharded parameter (``module.weight``, of any sharded module) gives
-    the DTensor parameter itself, not the gathered copy a forward uses: for code that reads or
-    writes shards (init, state dicts). Nothing is communicated."""
-    global _as_shards
-    _as_shards += 1
-    try:
-        yield
-    finally:
-        _as_shards -= 1
-
-
-def _reclass(module: nn.Module) -> None:
-    """Move ``module`` to the sharded subclass for the parameters it annotates (none: only
-    :class:`ShardedModule`'s methods) and whether it was passed to ``shard``."""
-    names = tuple(sorted(getattr(module, "_autoshard_specs", {})))
-    module.__class__ = _sharded_class(type(module), names, root=leaves.CHECK in module.__dict__)
 
 
 def _default_mesh(module: nn.Module, shape: tuple[int, ...] | None = None) -> DeviceMesh:
