@@ -6,6 +6,7 @@ import subprocess
 import sys
 from dataclasses import fields
 from importlib.metadata import entry_points
+from pathlib import Path
 
 import pytest
 import torch
@@ -47,15 +48,10 @@ def test_without_debug_dir_the_environment_variable_names_the_folder(tmp_path, m
     assert sorted(p.name for p in tmp_path.iterdir()) == ["from_env"]
 
 
-# Not yet rejected: NaN and infinity pass the check and fail the compile later, in int() (ValueError, OverflowError).
-_NOT_FINITE = pytest.mark.xfail(strict=True, reason="options.py accepts NaN and infinity (NaN <= 0 is False); the compile then "
-                                                    "fails in int(), with no word of the option")
-
-
 def _positive(name: str, unit: str) -> list:
-    cases = [({name: bad}, rf"^autoshard option '{name}' must be a positive number of {unit}, got {re.escape(repr(bad))}\.$")
-             for bad in (0, -1.5, True, "64", float("nan"), float("inf"))]
-    return cases[:-2] + [pytest.param(*case, marks=_NOT_FINITE) for case in cases[-2:]]
+    # NaN and infinity too: NaN <= 0 is False, and either would fail the compile later, in int().
+    return [({name: bad}, rf"^autoshard option '{name}' must be a positive number of {unit}, got {re.escape(repr(bad))}\.$")
+            for bad in (0, -1.5, True, "64", float("nan"), float("inf"), float("-inf"))]
 
 
 # Every option's bad values, each with the message that names it (test_every_option_has_bad_values checks all are here).
@@ -63,8 +59,10 @@ BAD_OPTIONS = [
     ({"bucket": 4}, r"autoshard backend: unknown option\(s\) \['bucket'\]; valid options are \['compiler'"),
     ({"compiler": "tvm"}, r"'compiler' must be one of \('inductor', 'aot_eager', 'eager'\), got 'tvm'"),
     ({"compiler": None}, r"'compiler' must be one of .*, got None"),
-    ({"reshard_after_forward": "yes"}, "'reshard_after_forward' must be True, False or None"),
-    ({"debug_dir": 3}, "'debug_dir' must be a path string"),
+    *[({"reshard_after_forward": bad}, rf"^autoshard option 'reshard_after_forward' must be True, False or None, "
+                                       rf"got {re.escape(repr(bad))}\.$") for bad in ("yes", 1, 0, 1.0)],
+    *[({"debug_dir": bad}, rf"^autoshard option 'debug_dir' must be a path string or os.PathLike, got {re.escape(repr(bad))}\.$")
+      for bad in (3, b"d")],
     ({"schedule": "fsdp"}, r"^autoshard option 'schedule' must be one of \('autoshard', 'none', 'fsdp2', 'inductor'\), got 'fsdp'\.$"),
     ({"schedule": None}, r"^autoshard option 'schedule' must be one of .*, got None\.$"),
     *_positive("bucket_mb", "MiB"),
@@ -102,6 +100,8 @@ def test_good_values_pass():
                           "reshard_after_forward": False, "schedule": "none", "profile": "a100", "debug_dir": "d"})
     assert (opts.bucket_mb, opts.max_inflight_mb, opts.memory_budget_gb, opts.optimizer_states) == (0.5, 1, 1e-3, 0)
     assert (opts.reshard_after_forward, opts.schedule, opts.profile, opts.debug_dir) == (False, "none", "a100", "d")
+    assert parse_options({"reshard_after_forward": True}).reshard_after_forward is True
+    assert parse_options({"debug_dir": Path("d") / "e"}).debug_dir == str(Path("d") / "e")  # os.PathLike, kept as a string
 
 
 def test_bad_options_fail_the_compile():

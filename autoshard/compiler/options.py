@@ -1,6 +1,7 @@
 """The backend's options: ``torch.compile(model, backend="autoshard", options={...})``."""
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -18,9 +19,10 @@ class Options:
     compiler: the inner compiler for the rewritten graphs: "inductor", "aot_eager", or
         "eager" (run the captured graph as is, with blocking collectives).
     reshard_after_forward: overrides the value given to ``autoshard.shard`` for every
-        parameter; ``None`` keeps each parameter's own.
+        parameter (a bool: ``1`` and ``0`` are refused); ``None`` keeps each parameter's own.
     debug_dir: write each compiled graph's stages as Python code, and its report, under this
-        folder; default: the AUTOSHARD_DEBUG_DIR environment variable, if set.
+        folder (a string or ``os.PathLike`` such as ``pathlib.Path``, kept as a string);
+        default: the AUTOSHARD_DEBUG_DIR environment variable, if set.
     schedule: "autoshard" (bucket by module structure, prefetch by the cost model, bounded
         memory); for comparisons on identical graphs: "none" (the lowered graph: gather at
         use, reduce at end), "fsdp2" (FSDP2 eager's policy on the profile's device, same buckets:
@@ -28,7 +30,8 @@ class Options:
         gloo blocks, gather at use in forward, one ahead in backward, each reduction waited
         at once) or "inductor" (PyTorch's own bucketing and overlap scheduler).
     bucket_mb: cap on a bucket's size (MiB); default: one bucket per repeated block, split
-        in halves or quarters where that meets the memory budget faster.
+        in halves or quarters where that meets the memory budget faster. This and the next
+        two take finite positive numbers (NaN and infinity are refused).
     max_inflight_mb: cap on gathered parameters alive at once (MiB), applied before the
         memory budget; default: none.
     memory_budget_gb: per-rank memory (GiB) the schedule must stay within: parameter shards,
@@ -46,7 +49,7 @@ class Options:
 
     compiler: str = "inductor"
     reshard_after_forward: bool | None = None
-    debug_dir: str | None = field(default_factory=lambda: os.environ.get("AUTOSHARD_DEBUG_DIR") or None)
+    debug_dir: str | os.PathLike[str] | None = field(default_factory=lambda: os.environ.get("AUTOSHARD_DEBUG_DIR") or None)
     schedule: str = "autoshard"
     bucket_mb: float | None = None
     max_inflight_mb: float | None = None
@@ -57,17 +60,23 @@ class Options:
     def __post_init__(self) -> None:
         if self.compiler not in COMPILERS:
             raise UsageError(f"autoshard option 'compiler' must be one of {COMPILERS}, got {self.compiler!r}.")
-        if self.reshard_after_forward not in (None, True, False):
+        # A real bool: 1 == True and 0 == False, so ``in (None, True, False)`` would let them through.
+        if not (self.reshard_after_forward is None or isinstance(self.reshard_after_forward, bool)):
             raise UsageError(
                 f"autoshard option 'reshard_after_forward' must be True, False or None, got {self.reshard_after_forward!r}."
             )
-        if self.debug_dir is not None and not isinstance(self.debug_dir, str):
-            raise UsageError(f"autoshard option 'debug_dir' must be a path string, got {self.debug_dir!r}.")
+        if self.debug_dir is not None:
+            path = os.fspath(self.debug_dir) if isinstance(self.debug_dir, os.PathLike) else self.debug_dir
+            if not isinstance(path, str):
+                raise UsageError(f"autoshard option 'debug_dir' must be a path string or os.PathLike, got {self.debug_dir!r}.")
+            object.__setattr__(self, "debug_dir", path)  # GraphDump and the report read a string
         if self.schedule not in SCHEDULES:
             raise UsageError(f"autoshard option 'schedule' must be one of {SCHEDULES}, got {self.schedule!r}.")
         for name, unit in (("bucket_mb", "MiB"), ("max_inflight_mb", "MiB"), ("memory_budget_gb", "GiB")):
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+            # NaN <= 0 is False and infinity is positive: both would pass and fail the compile in int().
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0
+                                      or (isinstance(value, float) and not math.isfinite(value))):
                 raise UsageError(f"autoshard option '{name}' must be a positive number of {unit}, got {value!r}.")
         if isinstance(self.optimizer_states, bool) or not isinstance(self.optimizer_states, int) or self.optimizer_states < 0:
             raise UsageError(
