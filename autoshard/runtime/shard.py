@@ -121,7 +121,7 @@ def _check(
         )
     if strategy not in STRATEGIES:
         raise ValueError(f"autoshard.shard: strategy must be one of {STRATEGIES}, got {strategy!r}.")
-    if reshard_after_forward not in (None, True, False):
+    if not (reshard_after_forward is None or isinstance(reshard_after_forward, bool)):  # 1 == True: not `in (None, True, False)`
         raise ValueError(f"autoshard.shard: reshard_after_forward must be True, False or None, got {reshard_after_forward!r}.")
     if reshard_after_forward and strategy in ("grad_op", "replicate"):
         raise ValueError(
