@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, replace
-from typing import Callable, Collection
+from typing import Callable
 
 from torch import fx
 
@@ -23,7 +23,8 @@ from .graph_utils import (
     reorder,
     wait_of,
 )
-from .step_model import PeakModel, Storages, TimeModel, Workspace, never, no_workspace
+from .schedule_config import ScheduleConfig, Workspace
+from .step_model import PeakModel, Storages, TimeModel
 
 PLAN = "autoshard_schedule"  # gm.meta key: the chosen SchedulePlan, for explain and the report
 
@@ -163,90 +164,130 @@ def _capped(g: _Graph, distances: list[int], max_inflight_bytes: int) -> list[in
 
 def schedule_overlap(
     gm: fx.GraphModule,
-    compute_time: Callable[[fx.Node], float],
-    collective_time: Callable[[fx.Node], float],
+    config: ScheduleConfig,
     max_inflight_bytes: int | None = None,
     max_prefetch: int = 2,
     max_reduces_in_flight: int = 2,
     memory_budget_bytes: int | None = None,
     outside_bytes: int = 0,
-    workspace: Workspace = no_workspace,
     no_more_than: tuple[int, int] | None = None,
-    reference_blocking: bool = False,
     shards_outside: bool = False,
-    late_release: Collection[str] = (),
-    input_copied: Callable[[fx.Node], bool] = never,
-    output_at_wait: Collection[str] = (),
     plan: SchedulePlan | None = None,
     only_plan: bool = False,
     blocking: bool = False,
-    comm_overlap: float = 1.0,
-    comm_issue_cost: float = 0.0,
 ) -> fx.GraphModule:
-    """Reorder a bucketed forward or backward graph so communication hides behind compute.
+    """Reorder a bucketed forward or backward graph so communication hides behind compute:
+    :func:`find_plan` (unless ``plan`` is given: decisions found earlier on the same graph, no
+    search), then :func:`apply_plan`. The plan is in ``gm.meta[PLAN]``; ``only_plan``: find
+    it, leave the order as it is. The other arguments as :func:`find_plan` takes them."""
+    if plan is None:
+        plan = find_plan(gm, config, max_inflight_bytes, max_prefetch, max_reduces_in_flight, memory_budget_bytes,
+                         outside_bytes, no_more_than, shards_outside, blocking)
+    return apply_plan(gm, plan, only_plan)
 
-    Guarantees, for each all-gather bucket j (in graph order): it is issued right before the
-    first use of bucket j - d (its prefetch distance d; 0: at its own first use), after that
-    bucket's wait, and its own wait and copy-out sit right before its first use. Each gradient reduction (reduce-scatter,
-    all-reduce) is issued right after its last input exists and waited right before the
-    reduction of its kind ``r`` buckets later is issued, or at the end (r = 0: right after
-    its own issue); an all-reduce of a reduce-scatter's result (hybrid sharding) is issued
-    right after that reduce-scatter's wait.
+
+def apply_plan(gm: fx.GraphModule, plan: SchedulePlan, only_plan: bool = False) -> fx.GraphModule:
+    """Record ``plan`` in ``gm.meta[PLAN]`` and reorder ``gm`` as it says (``only_plan``: leave
+    the order as it is). Guarantees, for each all-gather bucket j (in graph order): it is
+    issued right before the first use of bucket j - d (its prefetch distance d; 0: at its own
+    first use), after that bucket's wait, and its own wait and copy-out sit right before its
+    first use (a blocked bucket, :attr:`SchedulePlan.blocked`: its wait right after its
+    issue). Each gradient reduction (reduce-scatter, all-reduce) is issued right after its
+    last input exists and waited right before the reduction of its kind ``r`` buckets later is
+    issued, or at the end (r = 0: right after its own issue); an all-reduce of a
+    reduce-scatter's result (hybrid sharding) is issued right after that reduce-scatter's wait.
+    Numerics unchanged; nothing is timed."""
+    gm.meta[PLAN] = plan
+    return gm if only_plan else reorder(gm, _Graph(gm, _untimed).priorities(plan))
+
+
+def _untimed(node: fx.Node) -> float:
+    raise AssertionError("placing a given plan times nothing")
+
+
+class PlanPricer:
+    """The evaluation: what the step model predicts for a plan of one bucketed graph, its
+    dependencies, storages and times read once for many plans (the graph does not change).
+    ``outside_bytes``: held outside the graph, added to its peak. ``shards_outside``: for a
+    backward, the shards the gathers read count as held outside and the other inputs die at
+    their last use."""
+
+    def __init__(self, gm: fx.GraphModule, config: ScheduleConfig, outside_bytes: int = 0, shards_outside: bool = False) -> None:
+        # Each plan re-times every node: each node is timed once.
+        self.config = config = replace(config, compute_time=functools.cache(config.compute_time),
+                                       comm_time=functools.cache(config.comm_time))
+        self.graph = g = _Graph(gm, config.compute_time)
+        # A backward's inputs that gathers read are parameter shards: the model holds them.
+        self.shards = set()
+        if shards_outside:
+            self.shards = {a for x in g.gathers for n in x.issue for a in n.all_input_nodes if a.op == "placeholder"}
+        self.shards_outside, self.outside_bytes = shards_outside, outside_bytes
+        self.ordering = Ordering(g.graph)
+        self.nodes = self.ordering.nodes
+        self.storages = Storages(self.nodes)
+        self.timed = TimeModel(self.nodes, config)
+        self._memory: dict[tuple[tuple[str, ...], Workspace], PeakModel] = {}
+
+    def memory(self, late: tuple[str, ...], ws: Workspace) -> PeakModel:
+        if (late, ws) not in self._memory:
+            held = self.config.collectives
+            self._memory[late, ws] = PeakModel(
+                self.nodes, ws, pin_inputs=not self.shards_outside, held_outside=self.shards, late_release=late,
+                input_copied=held.copies_input, output_at_wait=held.output_at_wait, storages=self.storages)
+        return self._memory[late, ws]
+
+    def price(self, plan: SchedulePlan, late: tuple[str, ...] | None = None, ws: Workspace | None = None) -> SchedulePlan:
+        """``plan`` with its peak bytes (plus ``outside_bytes``), step time and where its peak
+        is; ``late``, ``ws``: instead of the config's late-released kinds and workspace."""
+        g, nodes = self.graph, self.nodes
+        late = self.config.collectives.late_release if late is None else late
+        priority = g.priorities(plan)
+        order = self.ordering.indices(priority)
+        peak, at = self.memory(tuple(late), self.config.workspace if ws is None else ws).peak(order)
+        seconds = self.timed.time(order)
+        peak_at = priority.get(nodes[order[at]], float(order[at])) if order else 0.0  # an unmoved node: its position
+        return replace(plan, peak_bytes=peak + self.outside_bytes, step_time=seconds, peak_at=peak_at)
+
+
+def find_plan(
+    gm: fx.GraphModule,
+    config: ScheduleConfig,
+    max_inflight_bytes: int | None = None,
+    max_prefetch: int = 2,
+    max_reduces_in_flight: int = 2,
+    memory_budget_bytes: int | None = None,
+    outside_bytes: int = 0,
+    no_more_than: tuple[int, int] | None = None,
+    shards_outside: bool = False,
+    blocking: bool = False,
+) -> SchedulePlan:
+    """The search: the plan (:func:`apply_plan` places it) for a bucketed forward or backward
+    graph, priced by :class:`PlanPricer`; ``gm`` is left as it is.
 
     The fastest plan takes, per bucket, the smallest d (1..``max_prefetch``) whose compute time
-    covers ``collective_time`` of its gather, and r = ``max_reduces_in_flight``. With
+    covers ``config.comm_time`` of its gather, and r = ``max_reduces_in_flight``. With
     ``max_inflight_bytes``, d shrinks until the gathered bytes alive at once fit (ValueError
     if d = 0 does not).
 
     With ``memory_budget_bytes``, the graph's live peak (:func:`step_model.peak_bytes` with
-    ``workspace``, ``late_release``, ``input_copied`` and ``output_at_wait``; with ``shards_outside``, for a backward, the shards the
-    gathers read count as held outside and the other inputs die at their last use) plus
-    ``outside_bytes`` must fit: one step at a time, the distance of a bucket prefetched across
-    the peak, or r, drops by one (the step that lowers the peak most first, then the fastest);
-    the fastest fitting plan of that search, gathering at use and the reference is taken.
-    ValueError names the smallest budget that fits when none does. ``no_more_than=(d, r)``: a
-    reference policy (FSDP2's on GPUs is (1, 1)) whose peak is the budget when none is given;
-    ``reference_blocking``: its collectives block their caller (FSDP2 eager on gloo), so its
-    peak is priced as FSDP2 eager runs there (:func:`_blocking_peak`). ``plan``: take
-    these decisions (a plan found earlier on the same graph), no search. The plan is in
-    ``gm.meta[PLAN]``; ``only_plan``: find it, leave the order as it is. ``blocking``: every
-    gather waited right after its issue (:attr:`SchedulePlan.blocked`; the "fsdp2" schedule
-    where FSDP2 eager's collectives block). ``comm_overlap``, ``comm_issue_cost``: see :func:`step_model.step_time`.
-    Numerics unchanged;
-    deterministic (graph structure, shapes and the cost functions).
+    ``config``'s workspace and collectives; ``shards_outside`` as :class:`PlanPricer` takes
+    it) plus ``outside_bytes`` must fit: one step at a time, the distance of a bucket
+    prefetched across the peak, or r, drops by one (the step that lowers the peak most first,
+    then the fastest); the fastest fitting plan of that search, gathering at use and the
+    reference is taken. ValueError names the smallest budget that fits when none does.
+    ``no_more_than=(d, r)``: a reference policy (FSDP2's on GPUs is (1, 1)) whose peak is the
+    budget when none is given; where the profile's ``fsdp2_blocking`` says its collectives
+    block their caller (FSDP2 eager on gloo), its peak is priced as FSDP2 eager runs there
+    (:func:`_blocking_peak`). ``blocking``: every gather waited right after its issue
+    (:attr:`SchedulePlan.blocked`; the "fsdp2" schedule where FSDP2 eager's collectives
+    block). Times as :func:`step_model.step_time` prices them. Deterministic (graph
+    structure, shapes and the cost functions).
     """
-    compute_time, collective_time = functools.cache(compute_time), functools.cache(collective_time)  # each plan re-times every node
-    g = _Graph(gm, compute_time)
-    if plan is not None:
-        gm.meta[PLAN] = plan
-        return gm if only_plan else reorder(gm, g.priorities(plan))
-    fast = [g.hiding_distance(j, collective_time(x.node), max_prefetch) for j, x in enumerate(g.gathers)]
+    pricer = PlanPricer(gm, config, outside_bytes, shards_outside)
+    g, evaluate = pricer.graph, pricer.price
+    fast = [g.hiding_distance(j, pricer.config.comm_time(x.node), max_prefetch) for j, x in enumerate(g.gathers)]
     if max_inflight_bytes is not None:
         fast = _capped(g, fast, max_inflight_bytes)
-
-    # A backward's inputs that gathers read are parameter shards: the model holds them.
-    shards = set()
-    if shards_outside:
-        shards = {a for x in g.gathers for n in x.issue for a in n.all_input_nodes if a.op == "placeholder"}
-
-    # The graph does not change during the search: its dependencies, storages and times are read once.
-    ordering = Ordering(g.graph)
-    nodes = ordering.nodes
-    storages = Storages(nodes)
-    timed = TimeModel(nodes, compute_time, collective_time, comm_overlap, comm_issue_cost)
-
-    @functools.cache
-    def memory(late: tuple[str, ...], ws: Workspace) -> PeakModel:
-        return PeakModel(nodes, ws, pin_inputs=not shards_outside, held_outside=shards, late_release=late,
-                         input_copied=input_copied, output_at_wait=output_at_wait, storages=storages)
-
-    def evaluate(plan: SchedulePlan, late: Collection[str] = late_release, ws: Workspace = workspace) -> SchedulePlan:
-        priority = g.priorities(plan)
-        order = ordering.indices(priority)
-        peak, at = memory(tuple(late), ws).peak(order)
-        seconds = timed.time(order)
-        peak_at = priority.get(nodes[order[at]], float(order[at])) if order else 0.0  # an unmoved node: its position
-        return replace(plan, peak_bytes=peak + outside_bytes, step_time=seconds, peak_at=peak_at)
 
     plan = SchedulePlan(tuple(fast), max_reduces_in_flight, blocked=(True,) * len(fast) if blocking else ())
     budget = memory_budget_bytes
@@ -255,7 +296,7 @@ def schedule_overlap(
         d, r = no_more_than
         policy = SchedulePlan(tuple(min(d, x) for x in fast), min(r, max_reduces_in_flight))
         reference = evaluate(policy)
-        reference_bytes = _blocking_peak(policy, evaluate, workspace) if reference_blocking else reference.peak_bytes
+        reference_bytes = _blocking_peak(policy, evaluate, config.workspace) if config.figures.fsdp2_blocking else reference.peak_bytes
         budget = reference_bytes if budget is None else budget
     if budget is not None:
         # Plans the greedy search may miss: gathering at use, and the reference policy (the
@@ -273,12 +314,9 @@ def schedule_overlap(
             )
         fitting = [p for p in [_fit(g, evaluate(plan), budget, evaluate), *floors] if p.peak_bytes <= budget]
         plan = min(fitting, key=lambda p: (p.step_time, p.peak_bytes))
-        plan = replace(plan, budget_bytes=budget, forced=_forced(fast, max_reduces_in_flight, plan), smallest_bytes=smallest,
+        return replace(plan, budget_bytes=budget, forced=_forced(fast, max_reduces_in_flight, plan), smallest_bytes=smallest,
                        reference_bytes=reference_bytes)
-    else:
-        plan = evaluate(plan)
-    gm.meta[PLAN] = plan
-    return gm if only_plan else reorder(gm, g.priorities(plan))
+    return evaluate(plan)
 
 
 def _blocking_peak(policy: SchedulePlan, evaluate: Callable[..., SchedulePlan], workspace: Workspace) -> int:

@@ -16,16 +16,7 @@ from torch import fx
 from autoshard._compat import c10d
 
 from .graph_utils import COPY_OUT, PADS, collective_kind, is_view, is_wait, nbytes, out_buffer, taken_from_copy_out
-
-Workspace = Callable[[fx.Node], int]  # bytes a collective holds besides its input and output, issue to wait
-
-
-def no_workspace(node: fx.Node) -> int:
-    return 0
-
-
-def never(node: fx.Node) -> bool:
-    return False
+from .schedule_config import ScheduleConfig, Workspace, never, no_workspace  # noqa: F401  (re-exported)
 
 
 def reads_input_until_wait(collective: fx.Node, input_copied: Callable[[fx.Node], bool] = never) -> bool:
@@ -188,46 +179,33 @@ class PeakModel:
         return peak, at
 
 
-def caller_cost(duration: float, overlap: float, issue_cost: float) -> float:
-    """Compute time a collective of ``duration`` seconds takes from its caller while it runs
-    (the simulator and the planner price it alike): at most the collective's own time."""
-    return min(duration, (1 - overlap) * duration + issue_cost)
-
-
-def step_time(
-    order: Sequence[fx.Node], compute_time: Callable[[fx.Node], float], collective_time: Callable[[fx.Node], float],
-    overlap: float = 1.0,
-    issue_cost: float = 0.0,
-) -> float:
-    """Seconds to run ``order``: compute nodes one after another; collectives one after another
-    on a comm stream, each starting once issued and the previous one ended; a wait holds
-    compute until its collective ends. ``overlap``: the share of a collective's time compute
-    keeps full speed (the profile's ``comm_overlap``, as the simulator plays it): the rest is
-    added to compute (on CPU ranks gloo's threads take cycles from it), with ``issue_cost``
-    (the profile's ``comm_issue_cost``), at most the collective's own time
-    (:func:`caller_cost`)."""
-    return TimeModel(order, compute_time, collective_time, overlap, issue_cost).time(list(range(len(order))))
+def step_time(order: Sequence[fx.Node], config: ScheduleConfig) -> float:
+    """Seconds to run ``order``: compute nodes one after another (``config.compute_time``);
+    collectives one after another on a comm stream (``config.comm_time``), each starting once
+    issued and the previous one ended; a wait holds compute until its collective ends. While a
+    collective runs it takes :meth:`ProfileFigures.caller_cost` of its time from compute (the
+    profile's ``comm_overlap`` and ``comm_issue_cost``, as the simulator plays them: on CPU
+    ranks gloo's threads take cycles from it)."""
+    return TimeModel(order, config).time(list(range(len(order))))
 
 
 class TimeModel:
     """:func:`step_time` of many orders of the same nodes: each node's time is priced once;
     :meth:`time` takes an order as a permutation of indices into ``nodes``."""
 
-    def __init__(
-        self, nodes: Sequence[fx.Node], compute_time: Callable[[fx.Node], float],
-        collective_time: Callable[[fx.Node], float], overlap: float = 1.0, issue_cost: float = 0.0,
-    ) -> None:
+    def __init__(self, nodes: Sequence[fx.Node], config: ScheduleConfig) -> None:
         index = {n: i for i, n in enumerate(nodes)}
+        figures = config.figures
         # Per node: (COMM, duration, the caller's share) | (WAIT, its collective's index or -1) | (COMPUTE, seconds).
         self.steps: list[tuple] = []
         for n in nodes:
             if collective_kind(n) is not None:
-                duration = collective_time(n)
-                self.steps.append((_COMM, duration, caller_cost(duration, overlap, issue_cost)))
+                duration = config.comm_time(n)
+                self.steps.append((_COMM, duration, figures.caller_cost(duration)))
             elif is_wait(n):
                 self.steps.append((_WAIT, index.get(n.args[0], -1)))
             else:
-                self.steps.append((_COMPUTE, compute_time(n)))
+                self.steps.append((_COMPUTE, config.compute_time(n)))
 
     def time(self, order: Sequence[int]) -> float:
         now = comm = 0.0

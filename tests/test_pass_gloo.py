@@ -19,6 +19,7 @@ from autoshard.passes import (
     schedule_overlap,
 )
 from autoshard.passes.graph_utils import PARAMS, collective_kind
+from autoshard.passes.schedule_config import ScheduleConfig
 from autoshard.passes.step_model import Storages, peak_bytes
 
 from pass_graphs import WORLD, bucketed, events, gathers, label, matmuls_take_one
@@ -122,7 +123,7 @@ def test_reduce_scatters_over_gloo_become_all_to_alls_and_a_mean_over_ranks(draw
             wait(0.b+0.w)
     """
     backward = bucketed("backward")
-    schedule_overlap(backward, matmuls_take_one, lambda n: 1.5)
+    schedule_overlap(backward, ScheduleConfig(matmuls_take_one, lambda n: 1.5))
     def comm(gm: fx.GraphModule) -> list[str]:  # the reductions and their waits
         reduces = (c10d.reduce_scatter_tensor.default, c10d.all_to_all_single.default)
         return [label(n) for n in gm.graph.nodes

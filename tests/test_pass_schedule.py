@@ -13,11 +13,12 @@ import pytest
 from torch import fx
 
 from autoshard._compat import c10d
-from autoshard.compiler.bucket_plan import Timing, choose_bucket_mb, step_time_floor
+from autoshard.compiler.bucket_plan import choose_bucket_mb, step_time_floor
 from autoshard.compiler.cost_model import collective_of
 from autoshard.passes import bucket_collectives, schedule_overlap
 from autoshard.passes.graph_utils import collective_kind, nbytes
 from autoshard.passes.schedule import PLAN, SchedulePlan
+from autoshard.passes.schedule_config import ProfileFigures, ScheduleConfig
 from autoshard.passes.step_model import peak_bytes, release_points, step_time
 
 from pass_graphs import Stack, bucketed, events, gathers, matmuls_take_one, stage
@@ -46,7 +47,7 @@ def test_schedule_prefetches_gathers_as_far_as_their_time_needs(gather_time, max
     """
     forward = bucketed("forward")
     assert events(forward) == drawing("before")
-    schedule_overlap(forward, matmuls_take_one, lambda n: gather_time, max_prefetch=max_prefetch)
+    schedule_overlap(forward, ScheduleConfig(matmuls_take_one, lambda n: gather_time), max_prefetch=max_prefetch)
     assert events(forward) == drawing(expected)
 
 
@@ -66,10 +67,11 @@ def test_schedule_prefetches_less_to_stay_within_the_memory_bound(drawing):
     forward = bucketed("forward")
     _, second, third = gathers(forward)
     bound = _gathered_bytes(second) + _gathered_bytes(third)
-    schedule_overlap(forward, matmuls_take_one, lambda n: 1.5, max_inflight_bytes=bound)
+    schedule_overlap(forward, ScheduleConfig(matmuls_take_one, lambda n: 1.5), max_inflight_bytes=bound)
     assert events(forward) == drawing("after")
     with pytest.raises(ValueError, match="option 'max_inflight_mb': .* MiB is below the"):  # not even gathering at use fits
-        schedule_overlap(bucketed("forward"), matmuls_take_one, lambda n: 1.5, max_inflight_bytes=_gathered_bytes(third) - 1)
+        schedule_overlap(bucketed("forward"), ScheduleConfig(matmuls_take_one, lambda n: 1.5),
+                         max_inflight_bytes=_gathered_bytes(third) - 1)
 
 
 @pytest.mark.parametrize("in_flight", [0, 1, 2])
@@ -93,7 +95,7 @@ def test_schedule_issues_reductions_early_and_waits_buckets_later(in_flight, dra
     """
     backward = bucketed("backward")
     assert events(backward) == drawing("before")
-    schedule_overlap(backward, matmuls_take_one, lambda n: 0.5, max_reduces_in_flight=in_flight)
+    schedule_overlap(backward, ScheduleConfig(matmuls_take_one, lambda n: 0.5), max_reduces_in_flight=in_flight)
     assert events(backward) == drawing(str(in_flight))
 
 
@@ -111,14 +113,14 @@ def test_a_blocked_gather_is_waited_at_its_issue_and_its_result_kept_until_its_u
     forward = bucketed("forward")
     assert events(forward) == drawing("before")
     n = len(gathers(forward))
-    schedule_overlap(forward, matmuls_take_one, lambda x: 1.5, plan=SchedulePlan((1,) * n, 0, blocked=(True,) * n))
+    schedule_overlap(forward, ScheduleConfig(matmuls_take_one, lambda x: 1.5), plan=SchedulePlan((1,) * n, 0, blocked=(True,) * n))
     assert events(forward) == drawing("after")
     workspace = lambda x: nbytes(x) if collective_kind(x) == "all_gather" else 0  # noqa: E731  a staging copy as large as the result
     reference = {}
     for blocking in (False, True):
         gm = bucketed("forward")
-        schedule_overlap(gm, matmuls_take_one, lambda x: 1.5, workspace=workspace, no_more_than=(1, 0),
-                         reference_blocking=blocking, only_plan=True)
+        config = ScheduleConfig(matmuls_take_one, lambda x: 1.5, ProfileFigures(fsdp2_blocking=blocking), workspace)
+        schedule_overlap(gm, config, no_more_than=(1, 0), only_plan=True)
         reference[blocking] = gm.meta[PLAN].reference_bytes
     assert reference[True] < reference[False]
 
@@ -137,7 +139,7 @@ def test_bucket_plan_splits_buckets_only_when_the_budget_stops_block_buckets_pre
     comm = _gather_time(per_largest, sizes)
 
     def schedule(gm: fx.GraphModule, budget: int | None) -> None:
-        schedule_overlap(gm, matmuls_take_one, comm, memory_budget_bytes=budget, no_more_than=(1, 1))
+        schedule_overlap(gm, ScheduleConfig(matmuls_take_one, comm), memory_budget_bytes=budget, no_more_than=(1, 1))
 
     mb, plan, _ = choose_bucket_mb(stage(Stack, "forward"), schedule, None)
     blocks = bucketed("forward")
@@ -160,7 +162,7 @@ def test_bucket_plan_meets_a_budget_block_buckets_cannot_with_smaller_ones():
     comm = _gather_time(2.0, sizes)
 
     def schedule(gm: fx.GraphModule, budget: int | None) -> None:
-        schedule_overlap(gm, matmuls_take_one, comm, memory_budget_bytes=budget, no_more_than=(1, 1))
+        schedule_overlap(gm, ScheduleConfig(matmuls_take_one, comm), memory_budget_bytes=budget, no_more_than=(1, 1))
 
     blocks = bucketed("forward")
     schedule(blocks, None)
@@ -179,15 +181,15 @@ def test_bucket_plan_skips_only_splits_its_floor_rules_out(side, latency):
     out, so only the block buckets are bucketed and scheduled; with 0.05 both are tried.
     Either way the choice is the one found by trying every split."""
     sizes = [nbytes(n) for n in bucketed(side).graph.nodes if collective_kind(n) == "all_gather"]
-    # Bytes as the cost model counts them (a reduction's input), as Timing.comm_time takes them.
+    # Bytes as the cost model counts them (a reduction's input), as ScheduleConfig.comm_time takes them.
     comm = lambda n, size=None: latency + 2.0 * (collective_of(n).nbytes if size is None else size) / max(sizes)  # noqa: E731
     scheduled = []
 
     def schedule(gm: fx.GraphModule, budget: int | None) -> None:
         scheduled.append(gm)
-        schedule_overlap(gm, matmuls_take_one, comm, memory_budget_bytes=budget, no_more_than=(1, 1))
+        schedule_overlap(gm, ScheduleConfig(matmuls_take_one, comm), memory_budget_bytes=budget, no_more_than=(1, 1))
 
-    timing = Timing(matmuls_take_one, comm)
+    timing = ScheduleConfig(matmuls_take_one, comm)
     every = choose_bucket_mb(stage(Stack, side), schedule, None)
     tried, scheduled[:] = list(scheduled), []
     skipping = choose_bucket_mb(stage(Stack, side), schedule, None, timing)
@@ -213,16 +215,19 @@ def test_step_model_times_an_order_and_counts_workspace_until_the_wait():
     collective in flight."""
     forward = bucketed("forward")
     order = [n for n in forward.graph.nodes if n.op != "output"]
-    assert step_time(order, matmuls_take_one, lambda n: 0.5) == 4.5
+    half = ScheduleConfig(matmuls_take_one, lambda n: 0.5)
+    slowed = lambda overlap, issue_cost=0.0: ScheduleConfig(  # noqa: E731
+        matmuls_take_one, lambda n: 0.5, ProfileFigures(comm_overlap=overlap, comm_issue_cost=issue_cost))
+    assert step_time(order, half) == 4.5
     plain, _ = peak_bytes(order)
     with_workspace, _ = peak_bytes(order, lambda n: 1000)
     assert 0 < with_workspace - plain <= 1000  # gathered at use: one gather in flight at a time
-    schedule_overlap(forward, matmuls_take_one, lambda n: 0.5)
+    schedule_overlap(forward, ScheduleConfig(matmuls_take_one, lambda n: 0.5))
     prefetched = [n for n in forward.graph.nodes if n.op != "output"]
-    assert step_time(prefetched, matmuls_take_one, lambda n: 0.5) == 3.5
-    assert step_time(prefetched, matmuls_take_one, lambda n: 0.5, overlap=0.6) == pytest.approx(3.9)
-    assert step_time(prefetched, matmuls_take_one, lambda n: 0.5, overlap=0.6, issue_cost=0.1) == pytest.approx(4.1)
-    assert step_time(prefetched, matmuls_take_one, lambda n: 0.5, overlap=0.6, issue_cost=1.0) == pytest.approx(4.5)
+    assert step_time(prefetched, half) == 3.5
+    assert step_time(prefetched, slowed(0.6)) == pytest.approx(3.9)
+    assert step_time(prefetched, slowed(0.6, 0.1)) == pytest.approx(4.1)
+    assert step_time(prefetched, slowed(0.6, 1.0)) == pytest.approx(4.5)
 
 
 def test_a_collective_whose_backend_copies_its_input_frees_it_at_the_issue():
@@ -230,7 +235,7 @@ def test_a_collective_whose_backend_copies_its_input_frees_it_at_the_issue():
     input is not held until the wait, so reductions kept in flight cost less; the clone still
     counts. Without a workspace, the peak can only drop by the inputs' bytes."""
     backward = bucketed("backward")
-    schedule_overlap(backward, matmuls_take_one, lambda n: 1.5)  # reductions in flight
+    schedule_overlap(backward, ScheduleConfig(matmuls_take_one, lambda n: 1.5))  # reductions in flight
     order = [n for n in backward.graph.nodes if n.op != "output"]
     copied = lambda n: collective_kind(n) == "reduce_scatter"  # noqa: E731
     inputs = sum(nbytes(n.args[0]) for n in order if copied(n))
@@ -250,7 +255,7 @@ def test_schedule_fits_a_memory_budget_and_names_the_smallest_that_fits():
     naming that peak; no_more_than=(1, 1) without a budget stays within FSDP2's peak."""
     def plan(**kwargs):
         forward = bucketed("forward")
-        schedule_overlap(forward, matmuls_take_one, lambda n: 1.5, **kwargs)
+        schedule_overlap(forward, ScheduleConfig(matmuls_take_one, lambda n: 1.5), **kwargs)
         return forward.meta[PLAN]
 
     fast, slowest = plan(), plan(max_prefetch=0)

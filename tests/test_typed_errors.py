@@ -15,6 +15,7 @@ from autoshard.compiler.options import parse_options
 from autoshard.passes import schedule_overlap
 from autoshard.passes.graph_utils import collective_kind, nbytes
 from autoshard.passes.schedule import PLAN
+from autoshard.passes.schedule_config import ScheduleConfig
 from autoshard.runtime.errors import AutoshardError, InflightCapError, OverBudgetError, UsageError
 from autoshard.tools import plan as plan_module
 
@@ -28,7 +29,7 @@ def _comm(per_largest: float) -> Callable[[fx.Node], float]:
 
 def _schedule(comm: Callable[[fx.Node], float]) -> Callable[[fx.GraphModule, "int | None"], None]:
     def schedule(gm: fx.GraphModule, budget: int | None) -> None:
-        schedule_overlap(gm, matmuls_take_one, comm, memory_budget_bytes=budget, no_more_than=(1, 1))
+        schedule_overlap(gm, ScheduleConfig(matmuls_take_one, comm), memory_budget_bytes=budget, no_more_than=(1, 1))
 
     return schedule
 
@@ -50,7 +51,7 @@ def test_a_budget_no_schedule_meets_raises_over_budget_error_still_a_value_error
 
 def test_an_inflight_cap_no_schedule_meets_raises_inflight_cap_error():
     with pytest.raises(InflightCapError, match="option 'max_inflight_mb'") as caught:
-        schedule_overlap(bucketed("forward"), matmuls_take_one, lambda n: 1.5, max_inflight_bytes=1)
+        schedule_overlap(bucketed("forward"), ScheduleConfig(matmuls_take_one, lambda n: 1.5), max_inflight_bytes=1)
     assert isinstance(caught.value, ValueError)
 
 

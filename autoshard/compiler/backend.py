@@ -34,7 +34,7 @@ from autoshard._compat import (
 )
 from autoshard.compiler import pipeline
 from autoshard.compiler.consistency import reports_compile_failure
-from autoshard.compiler.cost_model import DeviceProfile, estimators, get_profile, workspace
+from autoshard.compiler.cost_model import DeviceProfile, get_profile, schedule_config
 from autoshard.compiler.dump import GraphDump
 from autoshard.compiler.ghosts import gather_ghosts, with_leaves
 from autoshard.compiler.options import Options, parse_options
@@ -151,12 +151,8 @@ def _finish(
     """Run the partitioned pipeline (:data:`autoshard.compiler.pipeline.PARTITIONED`) on one forward or
     backward graph, writing its stages (and the report once the graph's last stage is done)."""
     profile = _profile(gm, opts)
-    compute_time, comm_time = estimators(profile)
     collectives = pipeline.gloo_memory(profile.comm_release_late, profile.comm_input_copied, opts.compiler)
-    ctx = pipeline.Context(opts, side, compute_time, comm_time, workspace=workspace(profile), param_bytes=param_bytes,
-                           collectives=collectives, fsdp2_policy=profile.fsdp2_policy(side),
-                           fsdp2_blocking=profile.fsdp2_blocking, comm_overlap=profile.comm_overlap,
-                           comm_issue_cost=profile.comm_issue_cost)
+    ctx = pipeline.Context(opts, side, schedule_config(profile, collectives), param_bytes=param_bytes)
     # Outside the compile's fake mode and Python dispatcher: every torch call in the passes
     # would go through them (a view of a meta tensor: 75x slower). The passes build fake
     # values with their inputs' fake mode.

@@ -17,7 +17,6 @@ Deterministic, from graph structure and the cost model: every rank makes the sam
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable
 
 from torch import fx
@@ -27,7 +26,7 @@ from autoshard.compiler.cost_model import collective_of
 from autoshard.passes import bucket_collectives, planned_buckets
 from autoshard.passes.graph_utils import collective_kind, is_wait, nbytes
 from autoshard.passes.schedule import PLAN, SchedulePlan
-from autoshard.passes.step_model import caller_cost
+from autoshard.passes.schedule_config import ScheduleConfig
 from autoshard.runtime.errors import InflightCapError, OverBudgetError
 
 SPLITS = (2, 4)  # candidate buckets: the largest block bucket cut into this many parts
@@ -39,22 +38,12 @@ Schedule = Callable[[fx.GraphModule, "int | None"], None]
 DOES_NOT_FIT = (OverBudgetError, InflightCapError)
 
 
-@dataclass(frozen=True)
-class Timing:
-    """How the schedule prices a graph (``step_model.step_time``'s arguments): a floor of its
-    step time must price it alike."""
-
-    compute_time: Callable[[fx.Node], float]
-    comm_time: Callable[..., float]  # comm_time(collective, nbytes=None), as cost_model.estimators
-    overlap: float = 1.0
-    issue_cost: float = 0.0
-
-
-def step_time_floor(gm: fx.GraphModule, bucket_mb: float | None, timing: Timing) -> float:
+def step_time_floor(gm: fx.GraphModule, bucket_mb: float | None, timing: ScheduleConfig) -> float:
     """A lower bound of the step time of ``gm`` (lowered, not bucketed) bucketed at
     ``bucket_mb``, in any order: its collectives run one after another and each is waited for,
     so the step lasts at least their sum; and it runs every compute node of ``gm`` (bucketing
-    adds copies, priced at 0 or more) plus what each collective takes from compute."""
+    adds copies, priced at 0 or more) plus what each collective takes from compute.
+    ``timing``: the config the schedule prices graphs with (a floor must price them alike)."""
     graph = gm.graph
     durations, bucketed = [], set()
     for buckets in planned_buckets(graph, bucket_mb).values():
@@ -68,7 +57,7 @@ def step_time_floor(gm: fx.GraphModule, bucket_mb: float | None, timing: Timing)
                 durations.append(timing.comm_time(n))
         elif n.op != "output" and not is_wait(n):
             compute += timing.compute_time(n)
-    taken = sum(caller_cost(d, timing.overlap, timing.issue_cost) for d in durations)
+    taken = sum(timing.figures.caller_cost(d) for d in durations)
     return max(sum(durations), compute + taken)
 
 
@@ -95,7 +84,7 @@ Choice = tuple["float | None", "SchedulePlan | None", fx.GraphModule]
 
 
 def choose_bucket_mb(
-    gm: fx.GraphModule, schedule: Schedule, budget: int | None, timing: Timing | None = None, opaque_copies: bool = False
+    gm: fx.GraphModule, schedule: Schedule, budget: int | None, timing: ScheduleConfig | None = None, opaque_copies: bool = False
 ) -> Choice:
     """(bucket cap in MiB, None for block buckets; the schedule's plan for it; ``gm``'s
     graph bucketed at that cap, in its order before scheduling) for a lowered graph.

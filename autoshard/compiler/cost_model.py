@@ -37,6 +37,7 @@ from autoshard.passes.graph_utils import (
     tensor_bytes,
     tensors,
 )
+from autoshard.passes.schedule_config import CollectiveMemory, ScheduleConfig
 
 aten = torch.ops.aten
 
@@ -243,4 +244,17 @@ def input_copied(kinds: Collection[str]) -> Callable[[fx.Node], bool]:
     """``copied(node)``: whether a collective node's backend copies its input at the issue,
     for the collective ``kinds`` whose backend does (:attr:`DeviceProfile.comm_input_copied`),
     so the input is free from then on."""
-    return lambda node: collective_kind(node) in kinds and not is_exchange(node)
+    return CollectiveMemory(input_copied=tuple(kinds)).copies_input
+
+
+def schedule_config(profile: str | DeviceProfile, collectives: CollectiveMemory | None = None) -> ScheduleConfig:
+    """What the step model, the scheduler, the bucket planner and the simulator read of
+    ``profile``, built once and passed whole: its estimators (:func:`estimators`), its
+    workspace, the profile itself as their figures, and what its collectives' buffers hold
+    (``collectives``: as the graph's passes leave them, ``pipeline.gloo_memory``; None: as
+    the profile says)."""
+    profile = get_profile(profile)
+    compute_time, comm_time = estimators(profile)
+    if collectives is None:
+        collectives = CollectiveMemory(profile.comm_release_late, (), profile.comm_input_copied)
+    return ScheduleConfig(compute_time, comm_time, profile, workspace(profile), collectives)

@@ -16,9 +16,9 @@ from typing import Any, Callable, Sequence, Union
 from torch import fx
 
 from autoshard._compat import save_random_ops_in_checkpoints
-from autoshard.compiler.bucket_plan import Timing, choose_bucket_mb
+from autoshard.compiler.bucket_plan import choose_bucket_mb
 from autoshard.compiler.consistency import check_ranks_agree
-from autoshard.compiler.cost_model import GLOO_RELEASE_LATE, input_copied
+from autoshard.compiler.cost_model import GLOO_RELEASE_LATE
 from autoshard.compiler.options import SCHEDULES
 from autoshard.passes import (
     bucket_collectives,
@@ -35,7 +35,7 @@ from autoshard.passes import (
 )
 from autoshard.passes.graph_utils import is_copy, mib_to_bytes
 from autoshard.passes.schedule import PLAN
-from autoshard.passes.step_model import no_workspace
+from autoshard.passes.schedule_config import CollectiveMemory, ScheduleConfig
 
 # What a graph holds, as passes require and provide it.
 ANNOTATIONS = "annotation ops"  # every graph starts with them (Dynamo's reads, gathered by compiler/ghosts.py)
@@ -50,31 +50,16 @@ RNG_SAVED = "random ops saved"
 OURS = ("autoshard", "fsdp2")  # the schedules that bucket and prefetch with autoshard's passes
 
 
-@dataclass(frozen=True)
-class CollectiveMemory:
-    """What the memory model assumes of a graph's collectives, by kind (``"all_gather"``, ...)."""
-
-    late_release: tuple[str, ...] = ()  # buffers may outlive their waits (DeviceProfile.comm_release_late)
-    output_at_wait: tuple[str, ...] = ()  # the result is made at the wait (passes/gloo.py)
-    input_copied: tuple[str, ...] = ()  # the input is free from the issue on (DeviceProfile.comm_input_copied)
-
-
 @dataclass
 class Context:
     """What a pass may read besides its graph: the backend's options, the side of the graph
-    (``"joint"``, ``"forward"``, ``"backward"``) and the cost model's estimators (None on the
-    joint graph, which is scheduled only after partitioning)."""
+    (``"joint"``, ``"forward"``, ``"backward"``) and what the device profile says to price it
+    (``cost_model.schedule_config``; None on the joint graph, which is scheduled only after
+    partitioning)."""
 
     options: Any
     side: str
-    compute_time: Callable[[fx.Node], float] | None = None
-    comm_time: Callable[..., float] | None = None
-    workspace: Callable[[fx.Node], int] | None = None  # a collective's in-flight extra bytes (cost_model.workspace)
-    collectives: CollectiveMemory = CollectiveMemory()  # what their buffers hold, and until when
-    fsdp2_policy: tuple[int, int] = (1, 1)  # FSDP2 eager on this side and device (DeviceProfile.fsdp2_policy)
-    fsdp2_blocking: bool = False  # DeviceProfile.fsdp2_blocking
-    comm_overlap: float = 1.0  # DeviceProfile.comm_overlap: compute's share of full speed while a collective runs
-    comm_issue_cost: float = 0.0  # DeviceProfile.comm_issue_cost: compute each collective costs its caller besides
+    schedule: ScheduleConfig | None = None
     # Set by the bucketing step for the schedule: the bucket cap it chose and the plan found for it.
     bucket_mb: float | None = None
     plan: Any = None
@@ -111,22 +96,21 @@ Step = Union[Pass, Stage]
 
 
 def _schedule(gm: fx.GraphModule, ctx: Context, budget: int | None, plan: Any = None, only_plan: bool = False) -> None:
-    opts = ctx.options
+    opts, config = ctx.options, ctx.schedule
+    policy = config.figures.fsdp2_policy(ctx.side)  # FSDP2 eager on this side and device
     # "fsdp2": FSDP2 eager's policy on the same buckets (it prefetches the next one on GPUs).
-    limits = dict(zip(("max_prefetch", "max_reduces_in_flight"), ctx.fsdp2_policy)) if opts.schedule == "fsdp2" else {}
+    limits = dict(zip(("max_prefetch", "max_reduces_in_flight"), policy)) if opts.schedule == "fsdp2" else {}
     if opts.schedule == "fsdp2":
-        limits["blocking"] = ctx.fsdp2_blocking
+        limits["blocking"] = config.figures.fsdp2_blocking
     # Held outside this graph: optimizer state and, during the backward, the parameter shards
     # (the forward's placeholders already hold them). Gradients are the backward's outputs.
     outside = opts.optimizer_states * ctx.param_bytes + (ctx.param_bytes if ctx.side == "backward" else 0)
     schedule_overlap(
-        gm, _rank_independent(ctx.compute_time), ctx.comm_time, mib_to_bytes(opts.max_inflight_mb), **limits,
-        memory_budget_bytes=budget, outside_bytes=outside, workspace=ctx.workspace or no_workspace,
+        gm, _rank_independent(config), mib_to_bytes(opts.max_inflight_mb), **limits,
+        memory_budget_bytes=budget, outside_bytes=outside,
         # Without a budget, never more memory than FSDP2 eager on this device; its policy's plan is a candidate.
-        no_more_than=ctx.fsdp2_policy if opts.schedule == "autoshard" else None, reference_blocking=ctx.fsdp2_blocking,
-        shards_outside=ctx.side == "backward", late_release=ctx.collectives.late_release,
-        input_copied=input_copied(ctx.collectives.input_copied), output_at_wait=ctx.collectives.output_at_wait,
-        plan=plan, only_plan=only_plan, comm_overlap=ctx.comm_overlap, comm_issue_cost=ctx.comm_issue_cost,
+        no_more_than=policy if opts.schedule == "autoshard" else None,
+        shards_outside=ctx.side == "backward", plan=plan, only_plan=only_plan,
     )
 
 
@@ -138,10 +122,11 @@ def _budget(ctx: Context) -> int | None:
 def _bucket(gm: fx.GraphModule, ctx: Context) -> None:
     opts = ctx.options
     ctx.bucket_mb, ctx.plan = opts.bucket_mb, None
-    if opts.schedule == "autoshard" and opts.bucket_mb is None and ctx.compute_time is not None:
+    if opts.schedule == "autoshard" and opts.bucket_mb is None and ctx.schedule is not None:
         # The bucket size is the planner's to choose (autoshard.compiler.bucket_plan); the
         # graph it bucketed for that size is the one to go on with.
-        timing = Timing(functools.cache(_rank_independent(ctx.compute_time)), ctx.comm_time, ctx.comm_overlap, ctx.comm_issue_cost)
+        timing = _rank_independent(ctx.schedule)
+        timing = replace(timing, compute_time=functools.cache(timing.compute_time))
         schedule = lambda g, b: _schedule(g, ctx, b, only_plan=True)  # noqa: E731
         ctx.bucket_mb, ctx.plan, chosen = choose_bucket_mb(gm, schedule, _budget(ctx), timing, _opaque_copies(opts))
         gm.graph = chosen.graph
@@ -162,10 +147,11 @@ def _schedule_overlap(gm: fx.GraphModule, ctx: Context) -> None:
         gm.meta[PLAN] = replace(plan, forced=(f"buckets split to {ctx.bucket_mb:.3g} MiB at most",) + plan.forced)
 
 
-def _rank_independent(compute_time: Callable[[fx.Node], float]) -> Callable[[fx.Node], float]:
+def _rank_independent(config: ScheduleConfig) -> ScheduleConfig:
     # Pads move different bytes on different ranks (zero rows where a shard is full): pricing
     # them would let a scheduler decide differently per rank. Data movement is priced at zero.
-    return lambda n: 0.0 if is_copy(n) else compute_time(n)
+    compute_time = config.compute_time
+    return replace(config, compute_time=lambda n: 0.0 if is_copy(n) else compute_time(n))
 
 
 def _frees_its_buffers(compiler: str) -> bool:
@@ -197,7 +183,8 @@ def gloo_memory(late_release: tuple[str, ...], copied: tuple[str, ...], compiler
 
 
 def _inductor_schedule(gm: fx.GraphModule, ctx: Context) -> None:
-    inductor_schedule(gm, _rank_independent(ctx.compute_time), ctx.comm_time)
+    config = _rank_independent(ctx.schedule)
+    inductor_schedule(gm, config.compute_time, config.comm_time)
 
 
 # The graph Dynamo hands the backend.

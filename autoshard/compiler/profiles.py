@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from autoshard.passes.graph_utils import COLLECTIVE_KINDS
+from autoshard.passes.schedule_config import ProfileFigures
 
 
 @dataclass(frozen=True)
@@ -25,8 +26,11 @@ class Link:
 
 
 @dataclass(frozen=True)
-class DeviceProfile:
-    """Throughput and latency figures of one device and the links between devices.
+class DeviceProfile(ProfileFigures):
+    """Throughput and latency figures of one device and the links between devices; the
+    figures scheduling reads too (``comm_overlap``, ``comm_issue_cost``, ``fsdp2_blocking``,
+    ...) are declared in :class:`ProfileFigures` (``passes/schedule_config.py``), which the
+    cost model hands the passes whole (``cost_model.schedule_config``).
 
     peak_flops: FLOP/s per dtype name ("float32", "bfloat16", ...); unlisted dtypes use float32's.
     mem_bandwidth: device memory bytes/s.
@@ -36,13 +40,6 @@ class DeviceProfile:
     ranks_per_node: ranks that share the ``intra`` link; a group spanning several nodes is
         paced by ``inter`` (None: every rank is on one node).
     source: where the figures come from.
-    comm_overlap: the share of a collective's time during which compute keeps full speed:
-        1 where collectives run on their own engines (GPUs), lower where they take cycles
-        from compute (CPU ranks sharing cores with gloo's threads).
-    comm_issue_cost: seconds of compute each collective costs its caller besides that share
-        (issuing it; on CPU ranks gloo's thread waking and polling on the compute's cores), so
-        one more collective is never free while it hides: what a tiny all-gather hidden behind
-        matmuls adds to their time, less ``(1 - comm_overlap)`` of its latency. 0 on GPUs.
     comm_workspace: per collective kind, the bytes it allocates besides its input and output
         while in flight (issue to wait), as a fraction of its full buffer; none where absent.
         gloo stages a whole all-gather output and reduce-scatter input (:data:`GLOO_WORKSPACE`).
@@ -58,11 +55,6 @@ class DeviceProfile:
         ranks, one plan's peak then repeats (146.1 MiB three times, where it had moved from 146
         to 194 MiB). Inductor's graphs leave them to gloo: the backend then counts
         :data:`GLOO_RELEASE_LATE`.
-    fsdp2_blocking: whether FSDP2 eager's collectives block their caller here (gloo on CPU:
-        no side streams): its forward then gathers at use, its backward prefetch only gathers
-        early, each reduce-scatter ends before the next bucket, and its buffers are freed
-        when the call returns. Elsewhere (GPUs) it prefetches the next bucket and keeps one
-        reduce-scatter in flight. The default schedule never plans above that peak.
     busy_power_w, idle_power_w: watts one device draws computing, and waiting (on the network);
         None where unknown (then no energy is predicted). See ``StepAnalysis.energy_j``.
     """
@@ -76,21 +68,12 @@ class DeviceProfile:
     intra: Link
     inter: Link | None = None
     source: str = ""
-    comm_overlap: float = 1.0
-    comm_issue_cost: float = 0.0
     op_overhead: float = 0.0
     comm_workspace: dict[str, float] = field(default_factory=dict, hash=False)
     comm_input_copied: tuple[str, ...] = ()
     comm_release_late: tuple[str, ...] = ()
-    fsdp2_blocking: bool = False
     busy_power_w: float | None = None
     idle_power_w: float | None = None
-
-    def fsdp2_policy(self, side: str) -> tuple[int, int]:
-        """FSDP2 eager's (prefetch distance, reductions in flight) on ``side`` of the step."""
-        if self.fsdp2_blocking:
-            return (0 if side == "forward" else 1), 0
-        return 1, 1
 
     def flops_per_s(self, dtype: torch.dtype) -> float:
         """Peak FLOP/s for ``dtype`` (the float32 figure for unlisted dtypes)."""

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 
 from torch import fx
 
-from autoshard.compiler.cost_model import DeviceProfile, collective_of, collective_time, get_profile, input_copied, node_time, workspace
+from autoshard.compiler.cost_model import DeviceProfile, collective_of, collective_time, get_profile, node_time, schedule_config
 from autoshard.passes.graph_utils import COLLECTIVE_KINDS, PARAMS, is_wait
-from autoshard.passes.step_model import caller_cost
+from autoshard.passes.schedule_config import ScheduleConfig
 from autoshard.tools.liveness import CATEGORIES, Liveness, MemoryPeak, Order, categorize, issuer, peak_of, saved_sources
 
 
@@ -95,7 +95,7 @@ class StepAnalysis:
     stalls: list[Stall] = field(default_factory=list, repr=False)  # the exposed intervals, in time order
 
 
-def _simulate(order: Order, sources: dict[fx.Node, fx.Node], profile: DeviceProfile) -> dict:
+def _simulate(order: Order, sources: dict[fx.Node, fx.Node], profile: DeviceProfile, config: ScheduleConfig) -> dict:
     clock = compute_time = 0.0
     stream_free: dict[str, float] = {}  # per process group
     busy: dict[str, float] = {}
@@ -116,7 +116,7 @@ def _simulate(order: Order, sources: dict[fx.Node, fx.Node], profile: DeviceProf
             duration = collective_time(kind, nbytes, ranks, profile)
             stream_free[group] = ends[node] = start + duration
             # Where collectives take cycles from compute, compute loses that share meanwhile.
-            exposed[node] = caller_cost(duration, profile.comm_overlap, profile.comm_issue_cost)
+            exposed[node] = config.figures.caller_cost(duration)
             clock += exposed[node]
             busy[group] = busy.get(group, 0.0) + duration
             comm_bytes[kind] += nbytes
@@ -162,12 +162,13 @@ def _simulate(order: Order, sources: dict[fx.Node, fx.Node], profile: DeviceProf
     )
 
 
-def _memory(order: Order, sources: dict[fx.Node, fx.Node], starts: list[float], profile: DeviceProfile) -> dict:
+def _memory(order: Order, sources: dict[fx.Node, fx.Node], starts: list[float], config: ScheduleConfig) -> dict:
     """Live bytes after each node allocates (in total and per category), their peak and what
     is alive there, the gathered peak, and the lower bound of :class:`StepAnalysis`.
     Gathered storages: all-gather outputs and the storage of any node tagged
     ``meta[GATHERED]`` (bucket copy-outs)."""
-    live = Liveness(order, sources, workspace(profile), profile.comm_release_late, input_copied(profile.comm_input_copied))
+    held = config.collectives
+    live = Liveness(order, sources, config.workspace, held.late_release, held.copies_input)
     categorize(live, order, sources)
     total, gathered = live.curve(), live.curve(gathered=True)
     by_category = {c: live.curve(c) for c in CATEGORIES}
@@ -249,7 +250,8 @@ def analyze(forward: fx.GraphModule, backward: fx.GraphModule | None, profile: s
     stages = [("forward", forward)] + ([("backward", backward)] if backward is not None else [])
     order = [(stage, node) for stage, gm in stages for node in gm.graph.nodes]
     sources = saved_sources(forward, backward)
-    sim = _simulate(order, sources, profile)
-    mem = _memory(order, sources, sim.pop("starts"), profile)
+    config = schedule_config(profile)  # what the scheduler priced the graphs with, as the profile says
+    sim = _simulate(order, sources, profile, config)
+    mem = _memory(order, sources, sim.pop("starts"), config)
     return StepAnalysis(**sim, **mem, step_lower_bound=_step_lower_bound(forward, backward, sim, profile),
                         energy_j=_energy(sim, profile))
