@@ -7,6 +7,7 @@ import sys
 
 from autoshard.compiler.backend import autoshard_backend
 from autoshard.compiler.dump import register_report_writer
+from autoshard.compiler.logs import register_timeline
 from autoshard.runtime import checkpoint, errors, ops
 from autoshard.runtime.checkpoint import full_state_dict, load, save
 from autoshard.runtime.errors import (
@@ -23,7 +24,7 @@ from autoshard.runtime.shard import is_sharded, shard
 from autoshard.tools import launch
 from autoshard.tools.explain import explain, explain_graphs
 from autoshard.tools.plan import Plan, plan
-from autoshard.tools.report import Report, write_report
+from autoshard.tools.report import Report, timeline, write_report
 
 __all__ = [
     "AutoshardError", "InflightCapError", "MixedPrecision", "OverBudgetError", "Plan", "PlanMismatchError", "RankFailedError",
@@ -37,3 +38,4 @@ for _name, _module in {"checkpoint": checkpoint, "errors": errors, "launch": lau
     sys.modules[f"{__name__}.{_name}"] = _module
 
 register_report_writer(write_report)  # the backend's debug_dir reports: report.html, trace.json, summary.txt
+register_timeline(timeline)  # TORCH_TRACE's autoshard_timeline artifact: the same simulated step

@@ -22,6 +22,7 @@ from torch._dynamo import lookup_backend
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.symbolic_convert import InstructionTranslator
 from torch._dynamo.utils import counters as dynamo_counters
+from torch._dynamo.utils import dynamo_timed
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._guards import detect_fake_mode
 from torch._inductor.utils import run_and_get_code
@@ -91,6 +92,10 @@ __all__ = [
     "unset_fake_temporarily",
     "unlogged_graph_text",
     "wrap_compile_phases",
+    "compile_phase",
+    "register_torch_log",
+    "structured_trace_on",
+    "trace_artifact",
 ]
 
 # The traceable functional collectives (explicit wait_tensor) that Inductor lowers.
@@ -320,6 +325,32 @@ def _traces(handler: logging.Handler) -> bool:
     # without a directory: outside Meta's cluster it removes itself at its first record.
     lazy = type(handler).__name__ == "LazyTraceHandler" and getattr(handler, "stream", None) is None
     return not (lazy and getattr(handler, "root_dir", None) is None and os.getenv("MAST_HPC_JOB_NAME") is None)
+
+
+def structured_trace_on() -> bool:
+    """Whether torch's structured trace is being written (``TORCH_TRACE``, read by tlparse).
+    Only torch's own trace handler counts: pytest's log capture hangs handlers on every logger."""
+    lazy = torch._logging._internal.LazyTraceHandler
+    return any(isinstance(h, lazy) and _traces(h) for h in torch._logging._internal.trace_log.handlers)
+
+
+def trace_artifact(name: str, encoding: str, payload: Callable[[], Any]) -> None:
+    """One artifact in the structured trace (tlparse lists it under the compile that made it):
+    ``payload()`` as text (``encoding="string"``) or as JSON (``"json"``), called only if a
+    trace is written."""
+    torch._logging.trace_structured("artifact", metadata_fn=lambda: {"name": name, "encoding": encoding}, payload_fn=payload)
+
+
+def compile_phase(key: str) -> contextlib.AbstractContextManager:
+    """Time the block as Dynamo times its own phases: under ``key`` in
+    ``torch._dynamo.utils.compile_times()`` and as a chromium event of the structured trace."""
+    return dynamo_timed(key)
+
+
+def register_torch_log(alias: str, qname: str) -> None:
+    """Let ``TORCH_LOGS=alias`` (``+alias``: DEBUG) and ``torch._logging.set_logs(modules={alias: level})``
+    set the level of the logger ``qname`` and its children, and give it torch's handler."""
+    torch._logging._internal.register_log(alias, qname)
 
 
 def _graph_logs_wanted(module: Any) -> bool:

@@ -37,6 +37,7 @@ from autoshard.compiler.consistency import reports_compile_failure
 from autoshard.compiler.cost_model import DeviceProfile, get_profile, schedule_config
 from autoshard.compiler.dump import GraphDump
 from autoshard.compiler.ghosts import gather_ghosts, with_leaves
+from autoshard.compiler.logs import CompileLog, phase
 from autoshard.compiler.options import Options, parse_options
 from autoshard.runtime import leaves
 
@@ -146,7 +147,7 @@ def _param_bytes(example_inputs: Sequence[Any]) -> int:
 
 @reports_compile_failure
 def _finish(
-    gm: fx.GraphModule, side: str, dump: GraphDump, opts: Options, param_bytes: int, inference: bool = False
+    gm: fx.GraphModule, side: str, dump: GraphDump, clog: CompileLog, opts: Options, param_bytes: int, inference: bool = False
 ) -> fx.GraphModule:
     """Run the partitioned pipeline (:data:`autoshard.compiler.pipeline.PARTITIONED`) on one forward or
     backward graph, writing its stages (and the report once the graph's last stage is done)."""
@@ -156,10 +157,12 @@ def _finish(
     # Outside the compile's fake mode and Python dispatcher: every torch call in the passes
     # would go through them (a view of a meta tensor: 75x slower). The passes build fake
     # values with their inputs' fake mode.
-    with unset_fake_temporarily(), no_python_dispatcher():
-        pipeline.run(pipeline.PARTITIONED, gm, ctx, dump.write)
+    with unset_fake_temporarily(), no_python_dispatcher(), phase(f"{side}_passes"):
+        pipeline.run(pipeline.PARTITIONED, gm, ctx, clog.writing(dump.write))
+    clog.graph_done(side, gm, ctx.bucket_mb)
     if side == "backward" or inference:
-        dump.write_report(_profile(gm, opts))
+        dump.write_report(profile)
+        clog.timeline(dump.stages, profile)
     return gm
 
 
@@ -167,22 +170,26 @@ def _finish(
 def autoshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict | None = None) -> Callable:
     """Compile a Dynamo graph of a model sharded by :func:`autoshard.shard`."""
     # First the capture: parameters' ghosts become their shards, gathered (compiler/ghosts.py).
-    inputs, ghosts = gather_ghosts(gm, example_inputs)
+    with phase("capture"):
+        inputs, ghosts = gather_ghosts(gm, example_inputs)
     return with_leaves(_following_requires_grad(_compile(gm, inputs, options), gm, inputs), ghosts)
 
 
 def _compile(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict | None) -> Callable:
     opts: Options = parse_options(options)
     _warn_if_unsharded(example_inputs)
-    dump = GraphDump(opts.debug_dir)
+    clog = CompileLog()  # TORCH_LOGS=autoshard, TORCH_TRACE (compiler/logs.py)
+    dump = GraphDump(opts.debug_dir, keep=clog.wants_copies())
+    write = clog.writing(dump.write)
     param_bytes = _param_bytes(example_inputs)
-    pipeline.run(pipeline.CAPTURED, gm, pipeline.Context(opts, "captured"), dump.write)
+    pipeline.run(pipeline.CAPTURED, gm, pipeline.Context(opts, "captured"), write)
     if opts.compiler == "eager":
         return gm.forward
 
     @reports_compile_failure
     def joint_pass(joint: fx.GraphModule, joint_inputs: Any) -> fx.GraphModule:
-        return pipeline.run(pipeline.JOINT, joint, pipeline.Context(opts, "joint"), dump.write)
+        with phase("joint_passes"):
+            return pipeline.run(pipeline.JOINT, joint, pipeline.Context(opts, "joint"), write)
 
     # The AOT autograd cache would skip joint_pass (and the dumps) on a hit.
     with functorch_config.patch(joint_custom_pass=joint_pass, enable_autograd_cache=False), unlogged_graph_text():
@@ -192,7 +199,7 @@ def _compile(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict | 
             def inner_compile(g: fx.GraphModule, inputs: Sequence[Any], **kwargs: Any) -> Any:
                 side = "backward" if kwargs.get("is_backward") else "forward"
                 with _one_recompile(g):
-                    g = _finish(g, side, dump, opts, param_bytes, kwargs.get("is_inference", False))
+                    g = _finish(g, side, dump, clog, opts, param_bytes, kwargs.get("is_inference", False))
                 if not pipeline.keeps_order(opts.schedule):
                     return compile_fx_inner(g, inputs, **kwargs)
                 # Inductor must keep the order the schedule chose.
@@ -205,7 +212,7 @@ def _compile(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict | 
             @_paused  # the backward is compiled lazily, outside autoshard_backend
             def compile_graph(g: fx.GraphModule, _inputs: Any) -> fx.GraphModule:
                 with _one_recompile(g):
-                    return boxed(_finish(g, side, dump, opts, param_bytes, inference))
+                    return boxed(_finish(g, side, dump, clog, opts, param_bytes, inference))
 
             return compile_graph
 

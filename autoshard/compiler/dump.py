@@ -36,10 +36,11 @@ def recording(stages: Collection[str] | None = None) -> Iterator[list[dict[str, 
 
 class GraphDump:
     """Writes ``<debug_dir>/rank<r>/graph<i>/<stage>.py`` (nothing without a debug_dir) and
-    records copies of the stages while :func:`recording` is active."""
+    records copies of the stages while :func:`recording` is active (or always, with ``keep``)."""
 
-    def __init__(self, debug_dir: str | None) -> None:
+    def __init__(self, debug_dir: str | None, keep: bool = False) -> None:
         self.stages: dict[str, fx.GraphModule] = {}
+        self.keep = keep  # copy every stage (a structured trace's timeline reads them)
         for graphs, _ in _recordings:
             graphs.append(self.stages)
         self.folder = None
@@ -51,7 +52,7 @@ class GraphDump:
     def write(self, stage: str, gm: fx.GraphModule) -> None:
         # A copy (later passes and Inductor change graphs in place), for recordings and for
         # the debug_dir report.
-        if self.folder is not None or any(wanted is None or stage in wanted for _, wanted in _recordings):
+        if self.keep or self.folder is not None or any(wanted is None or stage in wanted for _, wanted in _recordings):
             with warnings.catch_warnings():  # copying a graph's pytree specs warns of a deprecation inside torch
                 warnings.simplefilter("ignore", FutureWarning)
                 self.stages[stage] = fx.GraphModule(gm, copy.deepcopy(gm.graph))

@@ -19,6 +19,7 @@ from autoshard._compat import save_random_ops_in_checkpoints
 from autoshard.compiler.bucket_plan import choose_bucket_mb
 from autoshard.compiler.consistency import check_ranks_agree
 from autoshard.compiler.cost_model import GLOO_RELEASE_LATE
+from autoshard.compiler.logs import phase
 from autoshard.compiler.options import SCHEDULES
 from autoshard.passes import (
     bucket_collectives,
@@ -278,7 +279,8 @@ def run(steps: Sequence[Step], gm: fx.GraphModule, ctx: Context, write: Callable
         if isinstance(step, Stage):
             write(step.stage(ctx.side), gm)
         else:
-            step.run(gm, ctx)
+            with phase(step.name):  # autoshard.<pass> in torch._dynamo.utils.compile_times()
+                step.run(gm, ctx)
     return gm
 
 

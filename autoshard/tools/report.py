@@ -304,3 +304,9 @@ def write_report(stages: Mapping[str, fx.GraphModule], profile: str | DeviceProf
     """The backend's debug_dir report (registered with
     :func:`autoshard.compiler.dump.register_report_writer` by ``autoshard/__init__.py``)."""
     Report(stages, profile, title=str(folder)).save(folder)
+
+
+def timeline(stages: Mapping[str, fx.GraphModule], profile: str | DeviceProfile) -> dict:
+    """The simulated step as Chrome trace events, for the structured trace (registered with
+    :func:`autoshard.compiler.logs.register_timeline` by ``autoshard/__init__.py``)."""
+    return Report(stages, profile).chrome_trace()
