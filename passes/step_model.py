@@ -15,7 +15,17 @@ from torch import fx
 
 from autoshard._compat import c10d
 
-from .graph_utils import COPY_OUT, PADS, collective_kind, is_view, is_wait, nbytes, out_buffer, taken_from_copy_out
+from .graph_utils import (
+    COPY_OUT,
+    PADS,
+    collective_kind,
+    is_view,
+    is_wait,
+    nbytes,
+    out_buffer,
+    taken_from_copy_out,
+    tensor_bytes,
+)
 from .schedule_config import ScheduleConfig, Workspace, never, no_workspace  # noqa: F401  (re-exported)
 
 
@@ -26,11 +36,37 @@ def reads_input_until_wait(collective: fx.Node, input_copied: Callable[[fx.Node]
     return collective.target is not c10d.all_reduce.default and not input_copied(collective)
 
 
+def _views(node: fx.Node) -> bool:
+    return is_view(node, hidden=True) or is_wait(node) or (node.op == "call_function" and node.target in PADS)
+
+
+def _separate_outputs(node: fx.Node) -> bool:
+    """Whether ``node`` returns several new tensors, each taken out with getitem and freed after
+    its own last use, as eager frees them (and the simulator plays them): a multi-output op
+    (native_layer_norm_backward, flash attention) or a bucket's copy-out. Not a view's parts
+    (split), a collective's (its input, workspace and wait are priced on the collective), nor
+    a tuple read whole by anything but getitem."""
+    return (
+        node.op == "call_function"
+        and (node.target is COPY_OUT or isinstance(node.meta.get("val"), (list, tuple)))
+        and collective_kind(node) is None
+        and out_buffer(node) is None
+        and not _views(node)
+        and all(u.op == "call_function" and u.target is operator.getitem for u in node.users)
+    )
+
+
+def _taken_apart(node: fx.Node) -> bool:
+    """One output taken out of a node with :func:`_separate_outputs`: a storage of its own."""
+    return (node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], fx.Node)
+            and _separate_outputs(node.args[0]))
+
+
 def _aliases(node: fx.Node) -> bool:
     # Nodes that return (part of) an existing storage instead of allocating one. A pad counts
     # as one too, sized as its output: it pads zero rows where a rank's shard is full and more
     # where it is short, and every rank must price the graph alike (they must reach one plan).
-    if taken_from_copy_out(node):  # a copy-out's parts are new tensors
+    if taken_from_copy_out(node) or _taken_apart(node):  # a copy-out's or a multi-output op's parts are new tensors
         return False
     return (
         is_view(node, hidden=True)
@@ -58,18 +94,36 @@ def release_points(order: Sequence[fx.Node], late: Collection[str] = ()) -> dict
 class Storages:
     """Which storage each node of a graph uses and how large each is: the part of
     :func:`peak_bytes` that no order changes, computed once for a search over many orders.
-    A bucket's copy-out returns a list of new tensors: each taken out of it is a storage of
-    its own (freed after its own last use), the list none."""
+    A node returning several new tensors (a multi-output op such as native_layer_norm_backward
+    or flash attention, a bucket's copy-out; :func:`_separate_outputs`) is not one storage:
+    each output taken out of it with getitem is a storage of its own, freed after its own last
+    use; the node itself holds the outputs nothing takes (0 bytes for a copy-out), until its
+    last getitem."""
 
     def __init__(self, nodes: Sequence[fx.Node]) -> None:
         self.root: dict[fx.Node, fx.Node] = {}  # node -> the node whose storage it uses
+        taken: dict[tuple[fx.Node, Any], fx.Node] = {}  # (multi-output node, index) -> its first getitem
         for n in nodes:  # in a topological order: a base is rooted before its aliases
+            if _taken_apart(n):
+                self.root[n] = self.root.get(taken.setdefault((n.args[0], n.args[1]), n), n)
+                continue
             base = out_buffer(n) or (n.args[0] if n.args and isinstance(n.args[0], fx.Node) and _aliases(n) else None)
             self.root[n] = self.root.get(base, base) if base is not None else n
         self.size: dict[fx.Node, int] = {}  # a storage's bytes: the largest of its aliases (a pad's output)
         for n in nodes:
             r = self.root[n]
-            self.size[r] = max(self.size.get(r, 0), 0 if n.op == "call_function" and n.target is COPY_OUT else nbytes(n))
+            if n.op == "call_function" and n.target is COPY_OUT:
+                own = 0  # its parts are all taken out
+            else:
+                own = _untaken_bytes(n) if _separate_outputs(n) else nbytes(n)
+            self.size[r] = max(self.size.get(r, 0), own)
+
+
+def _untaken_bytes(node: fx.Node) -> int:
+    """Bytes of the outputs of a multi-output node that no getitem takes out (an unused
+    ``rstd``): allocated with the node, freed after its last getitem, as the simulator plays them."""
+    taken = {u.args[1] for u in node.users}
+    return sum(tensor_bytes(v) for i, v in enumerate(node.meta["val"]) if i not in taken)
 
 
 def peak_bytes(order: Sequence[fx.Node], workspace: Workspace = no_workspace, **options: Any) -> tuple[int, int]:

@@ -365,11 +365,6 @@ def test_saved_values_keep_their_forward_storage():
 # The step model (passes/step_model.py, what the schedule decides by) and the simulator (what
 # the report shows) are two models of one thing: on the same graph, with the same profile's
 # assumptions (workspaces, late releases, copied inputs), their peaks must be the same number.
-_MULTI_OUTPUT = pytest.mark.xfail(strict=True, reason=(
-    "the step model counts a multi-output op's outputs (native_layer_norm_backward, ...) as one storage, alive until its "
-    "last-used element's last use; the simulator frees each output after its own last use"))
-
-
 def _step_model_peak(gm: fx.GraphModule, profile: str) -> int:
     p = get_profile(profile)
     nodes = list(gm.graph.nodes)
@@ -377,7 +372,7 @@ def _step_model_peak(gm: fx.GraphModule, profile: str) -> int:
 
 
 @pytest.mark.parametrize("profile, side", [
-    ("h100", "forward"), pytest.param("h100", "backward", marks=_MULTI_OUTPUT), ("cpu", "forward"), ("cpu", "backward"),
+    ("h100", "forward"), ("h100", "backward"), ("cpu", "forward"), ("cpu", "backward"),
 ])
 def test_the_step_model_and_the_simulator_agree_on_a_graphs_peak(gpt, profile, side):
     """Each final graph of the GPT (default schedule) played alone, its inputs held by the
@@ -387,7 +382,6 @@ def test_the_step_model_and_the_simulator_agree_on_a_graphs_peak(gpt, profile, s
     assert _step_model_peak(gm, profile) == analyze(gm, None, profile).peak_bytes
 
 
-@_MULTI_OUTPUT
 def test_each_output_of_a_multi_output_op_is_freed_after_its_own_last_use():
     """x (1000 B) -> layer norm: out (1000 B), mean, rstd (40 B each) -> relu(out) -> relu ->
     add(..., mean). Where the second relu runs, out is dead: x, mean, the two relus: 3040 B."""
