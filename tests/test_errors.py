@@ -38,6 +38,8 @@ WHERE = (
 
 # (file, enclosing function, exception) -> why its message need not start with a WHERE.
 INTERNAL = {
+    ("passes/schedule.py", "_untimed", "AssertionError"):
+        "internal: apply_plan's compute-time stand-in; placing a given plan never prices a node",
     ("autoshard/_compat/inductor.py", "schedule_overlap_bucketing", "ValueError"):
         "internal: only passes/inductor_schedule.py calls it, with compute_estimator='analytical' and pre-bucketing off",
     ("autoshard/compiler/cost_model.py", "collective_time", "ValueError"):
