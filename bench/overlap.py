@@ -15,6 +15,9 @@ bucketing and overlap scheduler) and "autoshard". Gaps are to the simulator's lo
 computed in bfloat16 with gradients reduced in float32 (``MixedPrecision(bfloat16, float32)``);
 shards and optimizer state stay float32. ``--planned`` adds a row per precision for the layout
 ``autoshard.plan`` chooses (no budget), with the autoshard schedule.
+``simplefsdp_auto`` and ``simplefsdp_block`` (run when torchtitan imports, fp32 only): torchtitan's
+SimpleFSDP with graph_trainer's automatic or per-block bucketing/reordering (bench/simple_fsdp.py),
+its graphs captured the same way and played on the same profile.
 Energy: ``energy_j`` per rank per step and ``kwh_per_mtok`` over all ranks, on the profile's busy
 and idle power (StepAnalysis.energy_j; empty on profiles without power figures).
 """
@@ -37,9 +40,11 @@ from autoshard._compat import fake_process_group, fake_tensor_mode  # noqa: E402
 from autoshard.compiler.dump import recording  # noqa: E402
 from autoshard.tools.simulator import analyze, kwh_per_million_tokens  # noqa: E402
 
+import simple_fsdp  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
 
 SCHEDULES = ("none", "fsdp2", "inductor", "autoshard")
+SIMPLE_FSDP = ("simplefsdp_auto", "simplefsdp_block")
 BF16 = autoshard.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 # GPT-2 small / medium, GPT-3 XL, and an 8B shape with Llama 3's width and vocabulary.
 SHAPES = {
@@ -54,6 +59,11 @@ def measure(cfg: GPTConfig, world: int, batch: int, schedule: str, profile: str,
             plan: autoshard.Plan | None = None) -> dict:
     """Compile one training step with ``schedule`` at ``world`` ranks (full shard in
     ``precision``, or ``plan``'s layout); analyse its graphs."""
+    if schedule in SIMPLE_FSDP:
+        idx = torch.zeros(batch, cfg.block_size, dtype=torch.long)
+        stages = simple_fsdp.fake_step(lambda: GPT(cfg), (idx, idx), world, schedule, profile)
+        model = stages["model"]
+        return _row(schedule, precision, analyze(stages["forward"], stages["backward"], profile), model, batch, cfg, world)
     torch._dynamo.reset()
     fake_process_group(0, world)
     try:
@@ -70,10 +80,15 @@ def measure(cfg: GPTConfig, world: int, batch: int, schedule: str, profile: str,
         a = analyze(stages["forward"], stages["backward"], profile)
     finally:
         dist.destroy_process_group()
-    params = sum(p.numel() for p in model.parameters())
+    return _row(schedule if plan is None else "planned: " + plan.candidate.label(plan.ranks_per_node), precision, a, model,
+                batch, cfg, world)
+
+
+def _row(schedule: str, precision: str, a, model, batch: int, cfg: GPTConfig, world: int) -> dict:
+    params = sum(p.numel() for p in model.parameters())  # DTensor (SimpleFSDP): the global count
     tokens = batch * cfg.block_size * world  # each rank takes its own slice of the global batch
     return {
-        "schedule": schedule if plan is None else "planned: " + plan.candidate.label(plan.ranks_per_node),
+        "schedule": schedule,
         "precision": precision,
         "step_ms": a.step_time * 1e3,
         "exposed_pct": 100 * a.exposed_comm / a.step_time,
@@ -91,7 +106,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", choices=SHAPES, default=list(SHAPES))
     parser.add_argument("--world-sizes", nargs="+", type=int, default=[8, 64, 1024])
-    parser.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=list(SCHEDULES))
+    parser.add_argument("--schedules", nargs="+", choices=SCHEDULES + SIMPLE_FSDP, default=list(SCHEDULES + SIMPLE_FSDP))
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--batch", type=int, default=1, help="sequences per rank")
     parser.add_argument("--profile", default="h100", help="h100, a100, cpu or a .json from `python -m autoshard calibrate`")
@@ -103,6 +118,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.shapes, args.world_sizes = ["125M"], [64]
+    if (why := simple_fsdp.missing()) and any(s in SIMPLE_FSDP for s in args.schedules):
+        print(why)
+        args.schedules = [s for s in args.schedules if s not in SIMPLE_FSDP]
 
     rows = []
     for shape in args.shapes:
@@ -110,7 +128,8 @@ def main() -> None:
         for world in args.world_sizes:
             base = None
             for precision in args.precisions:
-                runs = [(schedule, None) for schedule in args.schedules] + ([("autoshard", "plan")] if args.planned else [])
+                runs = [(schedule, None) for schedule in args.schedules if precision == "fp32" or schedule not in SIMPLE_FSDP]
+                runs += [("autoshard", "plan")] if args.planned else []
                 for schedule, planned in runs:
                     start = time.perf_counter()
                     print(f"{shape} world={world} {precision} {planned or schedule} ...", end=" ", file=sys.stderr, flush=True)

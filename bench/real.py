@@ -16,6 +16,16 @@ cores):
     python bench/real.py                                   # GPT 4 x 128, seq 128, worlds 2 and 4
     python bench/real.py --world-sizes 2 --steps 20 --json real.json
     python bench/real.py --profile cpu                     # cost-model profile for the prediction
+    python bench/real.py --systems autoshard simplefsdp_block --world-sizes 2
+
+SimpleFSDP rows (torchtitan's compiler-based FSDP, bench/simple_fsdp.py; the ``bench`` extra):
+``simplefsdp`` without a bucketing pass, ``simplefsdp_auto`` and ``simplefsdp_block`` with
+graph_trainer's automatic and per-block manual bucketing/reordering, all on "aot_eager";
+``simplefsdp_inductor*`` (not run by default: Inductor's C++ compile takes minutes here) the same
+on "inductor". Both passes need CUDA for their runtime estimates; on CPU they run with
+``simple_fsdp.cpu_estimates`` (see there). Without torchtitan the rows are skipped with a
+one-line reason. Every system's losses are compared with the first system's (``parity``): the
+same initial weights and batches give the same losses to 1e-5.
 
 Compiled systems use the "aot_eager" compiler (Inductor spends minutes compiling C++ on a
 small CPU box), so compiled and eager rows run the same ATen kernels.
@@ -23,6 +33,7 @@ small CPU box), so compiled and eager rows run the same ATen kernels.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -46,9 +57,14 @@ from autoshard.tools import calibrate  # noqa: E402
 from autoshard.tools.launch import run_ranks  # noqa: E402
 from autoshard.tools.simulator import analyze  # noqa: E402
 
+import simple_fsdp  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
 
-SYSTEMS = ("ddp", "fsdp2", "fsdp2_compile", "autoshard_none", "autoshard")
+OURS = ("ddp", "fsdp2", "fsdp2_compile", "autoshard_none", "autoshard")
+SIMPLE_FSDP = tuple(simple_fsdp.VARIANTS)
+SYSTEMS = OURS + SIMPLE_FSDP
+DEFAULT_SYSTEMS = OURS + ("simplefsdp", "simplefsdp_auto", "simplefsdp_block")
+PARITY_TOL = 1e-5
 MEMORY_METHOD = (
     "peak = persistent state at step start (parameters + gradients + optimizer state: bytes of the local "
     "tensors; + DDP's gradient buckets) + highest rise of allocated CPU bytes during a steady-state step "
@@ -111,7 +127,8 @@ def setup_autoshard(model: GPT, args: argparse.Namespace) -> tuple:
     return _setup_autoshard(model, "autoshard")
 
 
-SETUPS = {name: globals()[f"setup_{name}"] for name in SYSTEMS}
+SETUPS = {name: globals()[f"setup_{name}"] for name in OURS}
+SETUPS.update((name, lambda model, args, name=name: simple_fsdp.setup(name, model)) for name in SIMPLE_FSDP)
 
 
 # --- measurement, on every rank
@@ -156,15 +173,18 @@ def peak_rise(prof: profile, window: str) -> int:
     return peak
 
 
-def train_step(model, optimizer, x, y) -> tuple[float, float]:
-    """One step; returns (forward + backward seconds, whole-step seconds)."""
+def train_step(model, optimizer, x, y, losses: list | None = None) -> tuple[float, float]:
+    """One step; returns (forward + backward seconds, whole-step seconds); appends the loss to ``losses``."""
     dist.barrier()  # start together: otherwise a rank's time includes waiting for the slowest
     t0 = time.perf_counter()
-    model(x, y).backward()  # gradients are reduced (and waited for) before backward returns
+    loss = model(x, y)
+    loss.backward()  # gradients are reduced (and waited for) before backward returns
     t1 = time.perf_counter()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     t2 = time.perf_counter()
+    if losses is not None:
+        losses.append(loss.detach())
     return t1 - t0, t2 - t0
 
 
@@ -189,6 +209,15 @@ class Trained:
         torch.manual_seed(0)  # same initial weights on every rank and for every system
         cfg = GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers, n_head=args.heads, n_embd=args.embd)
         self.system = system
+        self.losses: list[torch.Tensor] = []
+        # SimpleFSDP's backend sets global Inductor options when built, read when it compiles (in
+        # the first step): kept to its own set-up; its passes estimate with simple_fsdp.cpu_estimates.
+        simple = system in SIMPLE_FSDP
+        with simple_fsdp.inductor_config_kept() if simple else contextlib.nullcontext():
+            with simple_fsdp.cpu_estimates(args.profile) if simple else contextlib.nullcontext():
+                self._set_up(system, cfg, args, rank, graphs_before)
+
+    def _set_up(self, system: str, cfg: GPTConfig, args: argparse.Namespace, rank: int, graphs_before: int) -> None:
         self.model, self.module = SETUPS[system](GPT(cfg), args)
         self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=1e-3)  # after sharding: it sees the shards
         g = torch.Generator().manual_seed(rank)  # each rank its own slice of the global batch
@@ -203,7 +232,7 @@ class Trained:
         self.times: list[tuple[float, float]] = []
 
     def step(self) -> tuple[float, float]:
-        return train_step(self.model, self.optimizer, self.x, self.y)
+        return train_step(self.model, self.optimizer, self.x, self.y, self.losses)
 
 
 def measure_memory(t: Trained, args: argparse.Namespace, in_run: DeviceProfile) -> dict:
@@ -224,6 +253,7 @@ def measure_memory(t: Trained, args: argparse.Namespace, in_run: DeviceProfile) 
         "peak_bytes": persistent + peak_rise(prof, "measured_step"),
         "warmup_s": t.warmup_s,
         "graphs": t.compiled_graphs,
+        "losses": [float(v) for v in t.losses],
     }
     if t.system.startswith("autoshard"):
         # Forward + backward only: the simulator does not model the optimizer step. With graph
@@ -321,6 +351,9 @@ def rows_of(world: int, per_rank: list[dict], systems: list[str]) -> list[dict]:
             row["predicted_comm_ms"] = rs[0]["predicted_comm_s"] * 1e3
             row["predicted_peak_mib"] = rs[0]["predicted_peak_bytes"] / 2**20  # analysis: no optimizer state
         row["warmup_s"] = max(r["warmup_s"] for r in rs)
+        # Parity: the largest difference of a step's loss from the first system's (same rank, same step).
+        ref = [r[systems[0]]["losses"] for r in per_rank]
+        row["parity"] = max(abs(a - b) for mine, theirs in zip((r["losses"] for r in rs), ref) for a, b in zip(mine, theirs))
         row["graphs"] = rs[0]["graphs"]
         rows.append(row)
     ddp = next((r for r in rows if r["system"] == "ddp"), None)
@@ -345,7 +378,8 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--batch", type=int, default=4, help="sequences per rank")
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
+    parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(DEFAULT_SYSTEMS),
+                        help="default: all but simplefsdp_inductor* (Inductor's C++ compile takes minutes on CPU)")
     parser.add_argument("--steps", type=int, default=8, help="timed steps")
     parser.add_argument("--warmup", type=int, default=2,
                         help="untimed steps first: compilation in the first, optimizer state created by its step")
@@ -355,6 +389,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.warmup < 1 or args.steps < 1:
         parser.error("--warmup and --steps must be at least 1")
+    if (why := simple_fsdp.missing()) and any(s in SIMPLE_FSDP for s in args.systems):
+        print(why)
+        args.systems = [s for s in args.systems if s not in SIMPLE_FSDP]
 
     start = time.perf_counter()
     rows = []
@@ -365,9 +402,19 @@ def main() -> None:
     params = sum(p.numel() for p in GPT(GPTConfig(args.vocab, args.seq, args.layers, args.heads, args.embd)).parameters())
     print(f"GPT {args.layers} layers x {args.embd}, {params / 1e6:.2f}M parameters, seq {args.seq}, batch {args.batch}/rank; "
           f"gloo on CPU, {args.steps} timed steps after {args.warmup} warm-up; compiled rows use "
-          f"{args.fsdp2_compile_backend} (fsdp2_compile) / aot_eager (autoshard)")
+          f"{args.fsdp2_compile_backend} (fsdp2_compile) / aot_eager (autoshard, simplefsdp*) / inductor (simplefsdp_inductor*)")
     print("step_ms, fwd_bwd_ms: max over ranks of each rank's median; peak_mib: max over ranks. Memory: " + MEMORY_METHOD)
     print(tabulate([[r[k] for k in TABLE] for r in rows], headers=TABLE, floatfmt=".3f", missingval=""))
+    worst = max(rows, key=lambda r: r["parity"])
+    print(f"parity: every system's losses (each rank, each of the {args.warmup + args.steps + 2} steps) within "
+          f"{worst['parity']:.1e} of {args.systems[0]}'s ({worst['system']}, world {worst['world']}): "
+          f"{'OK' if worst['parity'] <= PARITY_TOL else 'NOT'} within {PARITY_TOL:g}")
+    for world in args.world_sizes:
+        mine = {r["system"]: r for r in rows if r["world"] == world}
+        if "autoshard" in mine:
+            for s in (s for s in args.systems if s in SIMPLE_FSDP):
+                print(f"world {world} autoshard / {s}: step {mine['autoshard']['step_ms'] / mine[s]['step_ms']:.2f}x, "
+                      f"peak {mine['autoshard']['peak_mib'] / mine[s]['peak_mib']:.2f}x")
     for r in rows:
         if r["pred_error"] is not None:
             verdict = "within" if abs(r["pred_error"]) <= 0.25 else "NOT within"
