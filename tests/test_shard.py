@@ -92,3 +92,29 @@ def test_without_a_process_group_the_model_runs_as_is():
     torch.testing.assert_close(compiled(x, torch.zeros(2, 1)), model(x, torch.zeros(2, 1)))
     with pytest.raises(ValueError, match="already sharded"):
         autoshard.shard(model)
+
+
+def _blocks_first(model: nn.Module) -> nn.Module:
+    for block in model.blocks:
+        autoshard.shard(block)
+    return model
+
+
+def test_blocks_sharded_before_the_root_are_bucketed_per_block_as_when_the_root_alone_is():
+    """FSDP2's pattern (each block, then the root) names the blocks' parameters from the root
+    in the graph (``blocks.0.attn...``), so bucketing finds their blocks: the same buckets as
+    sharding the root alone. (The gathers once carried ``attn...``: every block's parameters
+    fell into one bucket, and a plan mixing layouts held them all at once.)"""
+    from fake_pg import compile_step, same_tokens
+    from gpt import GPT, GPTConfig
+
+    cfg = GPTConfig(vocab_size=64, block_size=8, n_layer=3, n_head=2, n_embd=16)
+    tokens = same_tokens(lambda: torch.zeros(1, 8, dtype=torch.long))
+    gathered = []
+    for factory in (lambda: GPT(cfg), lambda: _blocks_first(GPT(cfg))):
+        step = compile_step(factory, tokens, world_size=4, options={"schedule": "none"})
+        gathers = [n for n in step.forward.graph.nodes if "all_gather" in str(n.target)]
+        gathered.append([n.meta["autoshard_params"] for n in gathers])
+    root_alone, blocks_first = gathered
+    assert blocks_first == root_alone
+    assert any(name.startswith("blocks.2.") for names in blocks_first for name in names)

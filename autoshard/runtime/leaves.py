@@ -255,6 +255,20 @@ def leaves_of(module: nn.Module, name: str) -> Leaves:
     return leaves
 
 
+def rename(module: nn.Module, name: str, spec: Any) -> None:
+    """Give the leaves of ``module``'s parameter ``name`` its spec ``spec`` where only the
+    parameter's name grew a prefix: a root sharded after its blocks names their parameters from
+    the root (``fc.weight`` -> ``blocks.0.fc.weight``), and the ghost's gather must carry that
+    name (bucketing groups parameters by their block). A tied parameter keeps its first name."""
+    leaves = leaves_of(module, name)
+    if leaves.spec is spec or not spec.name.endswith("." + leaves.spec.name):
+        return
+    renamed = leaves._replace(spec=spec)
+    setattr(renamed.ghost, GHOST, renamed)
+    setattr(renamed.param, _ON_PARAM, renamed)
+    module.__dict__[LEAVES][name] = renamed
+
+
 def refresh(module: nn.Module) -> None:
     """Rebuild the leaves of every sharded parameter of ``module`` and its submodules whose
     shard changed storage (after ``module.to``, ``to_empty``)."""

@@ -277,8 +277,8 @@ def _install(module: nn.Module, owners: Owners, sharded: dict[int, nn.Parameter]
             setattr(new, _SPEC, spec)
             mod._parameters[name] = new
         mod._autoshard_specs = {**getattr(mod, "_autoshard_specs", {}), **specs}
-        for name in specs:
-            leaves.leaves_of(mod, name)
+        for name, spec in specs.items():
+            leaves.rename(mod, name, spec)
         _reclass(mod)
         setattr(mod, grad_sync.SYNC, getattr(mod, grad_sync.SYNC, True))
         setattr(mod, leaves.GHOSTS, getattr(mod, leaves.GHOSTS, False))  # set as a root's forward is traced
