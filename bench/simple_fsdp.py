@@ -109,14 +109,39 @@ def _recording_backend(passes_backend, recorder):
                         keep_inference_input_mutations=True)
 
 
+class _ScaleGrad(torch.autograd.Function):
+    """The loss itself forward; its gradient times ``scale`` backward."""
+
+    @staticmethod
+    def forward(ctx, loss, scale):
+        ctx.scale = scale
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
+
+
 def setup(variant: str, model: nn.Module, mesh=None) -> tuple:
-    """Wrap and compile ``model`` as ``variant``: returns (callable, module owning the parameters)."""
+    """Wrap and compile ``model`` as ``variant``: returns (callable, module owning the parameters).
+
+    SimpleFSDP reduces gradients as a sum over ranks (``Partial("sum")``: reduce-scatter, no
+    average); torchtitan's trainer makes that the global mean by backpropagating the local loss
+    divided by the global token count. Here the callable returns the model's (local mean) loss and
+    backpropagates it divided by the world size, so its gradients are DDP's and FSDP2's mean (with
+    the sum AdamW's steps differ by its eps alone: losses then drift apart by ~1e-5 in 12 steps)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = mesh or init_device_mesh("cpu", (dist.get_world_size(),))
     model = wrap(model, mesh)
-    return torch.compile(model, backend=backend(variant, model), fullgraph=True), model
+    compiled = torch.compile(model, backend=backend(variant, model), fullgraph=True)
+    scale = 1.0 / mesh.size()
+
+    def step(*inputs):
+        return _ScaleGrad.apply(compiled(*inputs), scale)
+
+    return step, model
 
 
 @contextlib.contextmanager
