@@ -221,8 +221,8 @@ def fake_step(model_fn, inputs: tuple, world: int, variant: str, profile: str) -
 def _collectives(gm) -> dict[str, int]:
     kinds = ("all_gather", "reduce_scatter", "all_reduce")
     out = dict.fromkeys(kinds, 0)
-    for n in gm.graph.nodes:
-        if n.op == "call_function":
+    for n in gm.graph.nodes:  # the collectives themselves (not torch's bucketing ops that prepare their buffers)
+        if n.op == "call_function" and str(n.target).startswith("_c10d_functional."):
             out.update((k, out[k] + 1) for k in kinds if k in str(n.target))
     return out
 

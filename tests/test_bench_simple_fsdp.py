@@ -31,7 +31,6 @@ def test_fake_rank_graphs_gather_forward_and_reduce_backward(variant):
     fw, bw = (simple_fsdp._collectives(step[s]) for s in ("forward", "backward"))
     assert fw["all_gather"] > 0 and bw["reduce_scatter"] > 0
     assert bw["all_gather"] == 0  # SimpleFSDP keeps the gathered parameters for backward
-    assert step["model"].head.weight is not None
     assert step["model"].head._parameters["weight"] is step["model"].wte._parameters["weight"]  # still tied
     if variant == "simplefsdp":  # no pass: one gather per parameter use, one reduce-scatter per parameter
         assert fw["all_gather"] > 4 * len(simple_fsdp.block_buckets(step["model"]))
