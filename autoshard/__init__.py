@@ -18,6 +18,7 @@ from autoshard.runtime.errors import (
     RankFailedError,
     UsageError,
 )
+from autoshard.runtime.layout import ShardLayout
 from autoshard.runtime.materialize import materialize, shards_in_place
 from autoshard.runtime.mixed_precision import MixedPrecision
 from autoshard.runtime.shard import is_sharded, shard
@@ -27,9 +28,10 @@ from autoshard.tools.plan import Plan, plan
 from autoshard.tools.report import Report, timeline, write_report
 
 __all__ = [
-    "AutoshardError", "InflightCapError", "MixedPrecision", "OverBudgetError", "Plan", "PlanMismatchError", "RankFailedError",
-    "Report", "UsageError", "autoshard_backend", "checkpoint", "errors", "explain", "explain_graphs", "full_state_dict", "is_sharded",
-    "launch", "load", "materialize", "ops", "plan", "save", "shard", "shards_in_place",
+    "AutoshardError", "InflightCapError", "MixedPrecision", "OverBudgetError", "Plan", "PlanMismatchError",
+    "RankFailedError", "Report", "ShardLayout", "UsageError", "autoshard_backend", "checkpoint", "errors", "explain",
+    "explain_graphs", "full_state_dict", "is_sharded", "launch", "load", "materialize", "ops", "plan", "save", "shard",
+    "shards_in_place",
 ]
 
 # Module paths users import (``autoshard.launch.run_ranks``, ``import autoshard.checkpoint``, ``autoshard.errors``)

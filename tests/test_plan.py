@@ -14,6 +14,8 @@ import torch
 import autoshard
 from autoshard._compat import fake_tensor_mode
 from autoshard.compiler.cost_model import get_profile
+from autoshard.runtime.errors import UsageError
+from autoshard.runtime.layout import ShardLayout
 from autoshard.tools.launch import run_ranks
 from autoshard.tools.plan import OVER_BUDGET, Candidate, candidates
 from autoshard.tools.plan_layouts import Bounds, Params, repeated_blocks
@@ -274,3 +276,12 @@ def test_the_mixed_search_compiles_two_block_counts_at_most_and_keeps_within_the
     assert search.fastest_fitting().candidate == full.mixed(blocks[:20], hybrid)
     _mixed(search, blocks, "fp32")
     assert len(search.outcomes) == 4
+
+
+def test_shard_takes_a_plans_layout_and_refuses_anything_else():
+    """The runtime reads only its own type, ShardLayout, which a Plan carries as ``layout``."""
+    layout = ShardLayout("full", (1,), 1)
+    with fake_world(1):
+        assert autoshard.is_sharded(autoshard.shard(build("mlp"), plan=layout))
+    with pytest.raises(UsageError, match="plan= takes an autoshard.Plan or a ShardLayout, got dict"):
+        autoshard.shard(build("mlp"), plan={"strategy": "full"})

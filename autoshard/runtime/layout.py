@@ -2,10 +2,29 @@
 its DTensor placements, and this rank's rows cut from the full value."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+
+from autoshard.runtime.mixed_precision import MixedPrecision
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """A whole model's layout, as ``autoshard.shard(model, plan=...)`` applies it: the root's
+    strategy on a mesh of ``mesh_shape``, and ``blocks`` (submodule names) sharded first with
+    ``block_strategy`` on ``block_mesh_shape``. ``autoshard.plan`` produces it (``Plan.layout``)."""
+
+    strategy: str
+    mesh_shape: tuple[int, ...]
+    world_size: int
+    mixed_precision: MixedPrecision | None = None
+    blocks: tuple[str, ...] = ()
+    block_strategy: str = ""
+    block_mesh_shape: tuple[int, ...] = ()
 
 
 def local_chunk(full: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...] | list[Placement]) -> torch.Tensor:

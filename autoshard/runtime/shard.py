@@ -29,8 +29,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Placement
 
 from autoshard.runtime import grad_sync, leaves
+from autoshard.runtime.errors import UsageError
 from autoshard.runtime.fail_together import check_same_on_all_ranks
-from autoshard.runtime.layout import layout, to_dtensor
+from autoshard.runtime.layout import ShardLayout, layout, to_dtensor
 from autoshard.runtime.mixed_precision import MixedPrecision, cast_inputs_hook, dtypes_for
 from autoshard.runtime.sharded import (  # re-exported: imported from here before the split
     _SHARDED,
@@ -59,9 +60,14 @@ def _default_mesh(module: nn.Module, shape: tuple[int, ...] | None = None) -> De
     return init_device_mesh(device, shape or (dist.get_world_size(),))
 
 
-def _planned(module: nn.Module, plan: Any, mesh: DeviceMesh | None, strategy: str, mixed_precision: MixedPrecision | None) -> tuple:
-    """The mesh, strategy and mixed precision of an :class:`autoshard.Plan` (autoshard/tools/plan.py)
-    for the root, after sharding the blocks the plan lays out otherwise (every name checked first)."""
+def _planned(module: nn.Module, given: Any, mesh: DeviceMesh | None, strategy: str, mixed_precision: MixedPrecision | None) -> tuple:
+    """The mesh, strategy and mixed precision of a :class:`ShardLayout` (or of an
+    ``autoshard.Plan``'s ``layout``) for the root, after sharding the blocks it lays out
+    otherwise (every name checked first)."""
+    plan = getattr(given, "layout", given)  # an autoshard.Plan carries its layout
+    if not isinstance(plan, ShardLayout):
+        raise UsageError(f"autoshard.shard: plan= takes an autoshard.Plan or a ShardLayout, got {type(given).__name__}; "
+                         "make one with autoshard.plan.")
     if mesh is not None or strategy != "full" or mixed_precision is not None:
         raise ValueError("autoshard.shard: pass either plan= or mesh/strategy/mixed_precision, not both: the plan chooses them.")
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -186,7 +192,8 @@ def shard(
         mixed_precision: an :class:`autoshard.MixedPrecision`: gather and compute in
             ``param_dtype``, reduce gradients in ``reduce_dtype``; the sharded parameters and
             the optimizer state keep their dtype.
-        plan: an :class:`autoshard.Plan` (:func:`autoshard.plan`): its strategy and precision
+        plan: an :class:`autoshard.Plan` (:func:`autoshard.plan`) or its ``layout`` (a
+            :class:`ShardLayout`): its strategy and precision
             on the mesh it describes, built over every rank (instead of ``mesh``, ``strategy``
             and ``mixed_precision``).
 

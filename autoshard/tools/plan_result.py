@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from autoshard.runtime.layout import ShardLayout
 from autoshard.runtime.mixed_precision import MixedPrecision
 from autoshard.tools.plan_layouts import Candidate
 from autoshard.tools.report_svg import fmt_bytes, fmt_energy, fmt_time
@@ -29,8 +30,8 @@ class Outcome:
 
 @dataclass(frozen=True)
 class Plan:
-    """The chosen layout and what every candidate was predicted to cost. Flat fields, so
-    ``autoshard.shard(model, plan=plan)`` reads them without importing the planner."""
+    """The chosen layout (:attr:`layout`, the runtime's :class:`ShardLayout`) and what every
+    candidate was predicted to cost."""
 
     strategy: str
     mesh_shape: tuple[int, ...]
@@ -52,6 +53,12 @@ class Plan:
     @property
     def chosen(self) -> Outcome:
         return next(o for o in self.outcomes if o.candidate == self.candidate)
+
+    @property
+    def layout(self) -> ShardLayout:
+        """What ``autoshard.shard(model, plan=...)`` applies."""
+        return ShardLayout(self.strategy, tuple(self.mesh_shape), self.world_size, self.mixed_precision, tuple(self.blocks),
+                           self.block_strategy, tuple(self.block_mesh_shape))
 
     @property
     def mixed_precision(self) -> MixedPrecision | None:
