@@ -1,9 +1,10 @@
 """Collectives as the later passes expect them: each has exactly one wait, and a use.
 
-Two things break that after partitioning. The partitioner copies a resharded parameter's gather into the backward when the forward needs
-it, even where no backward node reads the result (a graph that ends at the gathered weight,
-e.g. an embedding read before a graph break): ``wait_tensor`` is side-effecting, so its dead
-code elimination keeps the gather and its wait. Left in, such a gather moves bytes for nothing
+Two things break that after partitioning. The partitioner copies a resharded parameter's
+gather into the backward when the forward needs it, even where no backward node reads the
+result (a graph that ends at the gathered weight, e.g. an embedding read before a graph
+break): ``wait_tensor`` is side-effecting, so its dead code elimination keeps the gather and
+its wait. Left in, such a gather moves bytes for nothing
 and breaks every pass that places a collective at its first use. And the partitioner's
 common-subexpression elimination (Inductor's partitioner runs it) merges two collectives of
 one value into one with two waits: in a ResNet block, the main path's last BatchNorm and the
@@ -53,8 +54,10 @@ def normalize_collectives(gm: fx.GraphModule) -> fx.GraphModule:
     pos = positions(graph.nodes)
     merged = False
     for node in graph.nodes:
+        if collective_kind(node) is None:
+            continue
         waits = sorted((u for u in node.users if is_wait(u)), key=pos.__getitem__)
-        if collective_kind(node) is not None and len(waits) > 1:
+        if len(waits) > 1:
             first, *later = waits  # the earliest: every use of a later one comes after it
             for wait in later:
                 wait.replace_all_uses_with(first)
