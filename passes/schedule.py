@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, replace
-from typing import Callable
+from typing import Any, Callable
 
 from torch import fx
 
@@ -163,26 +163,14 @@ def _capped(g: _Graph, distances: list[int], max_inflight_bytes: int) -> list[in
 
 
 def schedule_overlap(
-    gm: fx.GraphModule,
-    config: ScheduleConfig,
-    max_inflight_bytes: int | None = None,
-    max_prefetch: int = 2,
-    max_reduces_in_flight: int = 2,
-    memory_budget_bytes: int | None = None,
-    outside_bytes: int = 0,
-    no_more_than: tuple[int, int] | None = None,
-    shards_outside: bool = False,
-    plan: SchedulePlan | None = None,
-    only_plan: bool = False,
-    blocking: bool = False,
+    gm: fx.GraphModule, config: ScheduleConfig, *, plan: SchedulePlan | None = None, only_plan: bool = False, **search: Any
 ) -> fx.GraphModule:
     """Reorder a bucketed forward or backward graph so communication hides behind compute:
-    :func:`find_plan` (unless ``plan`` is given: decisions found earlier on the same graph, no
-    search), then :func:`apply_plan`. The plan is in ``gm.meta[PLAN]``; ``only_plan``: find
-    it, leave the order as it is. The other arguments as :func:`find_plan` takes them."""
+    :func:`find_plan` with ``search`` (its keyword arguments; unless ``plan`` is given:
+    decisions found earlier on the same graph, no search), then :func:`apply_plan`. The plan
+    is in ``gm.meta[PLAN]``; ``only_plan``: find it, leave the order as it is."""
     if plan is None:
-        plan = find_plan(gm, config, max_inflight_bytes, max_prefetch, max_reduces_in_flight, memory_budget_bytes,
-                         outside_bytes, no_more_than, shards_outside, blocking)
+        plan = find_plan(gm, config, **search)
     return apply_plan(gm, plan, only_plan)
 
 

@@ -107,7 +107,7 @@ def _schedule(gm: fx.GraphModule, ctx: Context, budget: int | None, plan: Any = 
     # (the forward's placeholders already hold them). Gradients are the backward's outputs.
     outside = opts.optimizer_states * ctx.param_bytes + (ctx.param_bytes if ctx.side == "backward" else 0)
     schedule_overlap(
-        gm, _rank_independent(config), mib_to_bytes(opts.max_inflight_mb), **limits,
+        gm, _rank_independent(config), max_inflight_bytes=mib_to_bytes(opts.max_inflight_mb), **limits,
         memory_budget_bytes=budget, outside_bytes=outside,
         # Without a budget, never more memory than FSDP2 eager on this device; its policy's plan is a candidate.
         no_more_than=policy if opts.schedule == "autoshard" else None,
