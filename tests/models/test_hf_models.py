@@ -30,7 +30,6 @@ def test_every_model_trains_like_one_process_at_2_ranks(compiler: str) -> None:
     encoder-decoder (T5), convolutions with BatchNorm (ResNet)."""
     found = run_ranks(2, hf_models.parity_many, [(name, compiler) for name in hf_models.MODELS], timeout=900)[0]
     _check(found)
-    assert all(f["losses"][1] != f["losses"][0] for f in found.values())  # the second step saw trained weights
 
 
 def test_short_and_empty_shards_at_4_ranks() -> None:
