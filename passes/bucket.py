@@ -16,6 +16,7 @@ from .graph_utils import (
     GATHERED,
     PARAMS,
     Replacer,
+    block_of,
     call,
     collectives,
     exclusive_inputs,
@@ -35,16 +36,6 @@ DEFAULT_BUCKET_BYTES = 64 * 2**20
 # Parameters outside the blocks join a neighbouring block's bucket when at most this fraction
 # of it (final norms, small heads): one collective fewer for little extra memory.
 SMALL_LEFTOVER = 0.25
-
-
-def block_of(name: str) -> str | None:
-    """The repeated block a parameter belongs to: the path up to its first numeric component
-    (``blocks.3.attn.qkv.weight`` -> ``blocks.3``), or None outside any ModuleList/Sequential."""
-    parts = name.split(".")
-    for i, part in enumerate(parts[:-1]):
-        if part.isdigit():
-            return ".".join(parts[: i + 1])
-    return None
 
 
 def _compatible(a: fx.Node, b: fx.Node) -> bool:

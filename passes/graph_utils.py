@@ -383,5 +383,15 @@ def nbytes(node: fx.Node) -> int:
     return tensor_bytes(node.meta.get("val"))
 
 
+def block_of(name: str) -> str | None:
+    """The repeated block a parameter belongs to: the path up to its first numeric component
+    (``blocks.3.attn.qkv.weight`` -> ``blocks.3``), or None outside any ModuleList/Sequential."""
+    parts = name.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if part.isdigit():
+            return ".".join(parts[: i + 1])
+    return None
+
+
 def positions(nodes: Iterable[fx.Node]) -> dict[fx.Node, int]:
     return {n: i for i, n in enumerate(nodes)}

@@ -9,7 +9,7 @@ from torch import fx
 from autoshard._compat import c10d, must_recompute
 from autoshard.runtime.ops import chunk_rows
 
-from .graph_utils import PARAMS, Replacer, arg, call, is_op, is_view, named_args, val
+from .graph_utils import PARAMS, Replacer, arg, block_of, call, is_op, is_view, named_args, positions, val
 
 aten = torch.ops.aten
 annotations = torch.ops.autoshard
@@ -114,6 +114,22 @@ def _view_chain(node: fx.Node) -> list[fx.Node]:
     return chain
 
 
+def _needed_first(gathers: list[tuple[str, fx.Node]], order: dict[fx.Node, int]) -> set[str]:
+    """Of ``gathers`` (a parameter's name, its full value), those the backward needs first: the
+    last repeated block the forward uses and every parameter first used after it starts (the
+    final norm, an untied head); without blocks, the parameter used last. Kept gathered from
+    forward to backward, they add nothing at the step's peak (the backward would gather them
+    again at once) and their gathers, the backward's first, have no compute to hide behind."""
+    first_use = {name: min((order[u] for u in full.users), default=-1) for name, full in gathers}
+    used = [name for name in first_use if first_use[name] >= 0]
+    if not used:
+        return set()
+    in_blocks = [name for name in used if block_of(name) is not None]
+    last = max(in_blocks or used, key=first_use.__getitem__)
+    start = min(first_use[n] for n in used if block_of(n) == block_of(last)) if in_blocks else first_use[last]
+    return {name for name in used if first_use[name] >= start}
+
+
 def lower_annotations(gm: fx.GraphModule, reshard_after_forward: bool | None = None) -> fx.GraphModule:
     """Replace every autoshard annotation op with c10d functional collectives.
 
@@ -127,15 +143,17 @@ def lower_annotations(gm: fx.GraphModule, reshard_after_forward: bool | None = N
     one rank). Each collective records its parameter name in
     ``meta["autoshard_params"]``. A gradient sent to a sink (synchronisation off) has no
     collective: autograd already routed it there.
-    Gathers to reshard (the op's flag, or ``reshard_after_forward`` when given) and
-    the views of their results are tagged MUST_RECOMPUTE, so a partitioned forward saves
-    shards, never full parameters. Numerics are unchanged; the pass is idempotent.
+    Gathers to reshard (the op's flag, or ``reshard_after_forward`` when given; a flag of
+    None: all but those :func:`_needed_first` keeps) and the views of their results are
+    tagged MUST_RECOMPUTE, so a partitioned forward saves their shards, not the full
+    parameters. Numerics are unchanged; the pass is idempotent.
     """
     graph = gm.graph
     if not any(graph.find_nodes(op="call_function", target=getattr(annotations, name).default)
                for name in ("unshard", "reduce_grad", "all_reduce_grad", "replicate")):
         return gm  # already lowered (the partitioned graphs of a joint graph): no lint, no recompile
     replacer = Replacer(graph)
+    undecided: dict[str, tuple[int, fx.Node, list[fx.Node]]] = {}  # flag None: name -> (region, full, created)
     for i, node in enumerate(list(graph.nodes)):
         if node.op != "call_function":
             continue
@@ -143,7 +161,10 @@ def lower_annotations(gm: fx.GraphModule, reshard_after_forward: bool | None = N
         with graph.inserting_before(node):
             if is_op(node, annotations.unshard):
                 out, created = _lower_unshard(graph, node)
-                if arg(node, "reshard") if reshard_after_forward is None else reshard_after_forward:
+                reshard = arg(node, "reshard") if reshard_after_forward is None else reshard_after_forward
+                if reshard is None and created:
+                    undecided[arg(node, "name")] = (i, out, created)
+                elif reshard:
                     recompute = created
             elif is_op(node, annotations.reduce_grad):
                 out = _lower_reduce_grad(graph, node)
@@ -156,6 +177,11 @@ def lower_annotations(gm: fx.GraphModule, reshard_after_forward: bool | None = N
         replacer.replace(node, out)
         if recompute:
             for n in recompute + _view_chain(out):
+                must_recompute(n, _AC_GRAPH_ID_BASE + i)
+    kept = _needed_first([(name, full) for name, (_, full, _) in undecided.items()], positions(graph.nodes))
+    for name, (i, full, created) in undecided.items():
+        if name not in kept:
+            for n in created + _view_chain(full):
                 must_recompute(n, _AC_GRAPH_ID_BASE + i)
     replacer.finish()
     graph.lint()

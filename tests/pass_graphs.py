@@ -72,7 +72,8 @@ _compiled: dict[tuple, dict[str, fx.GraphModule]] = {}
 
 def stage(model: type[nn.Module], name: str, rank: int = 0, per_use: bool = False) -> fx.GraphModule:
     """A copy of stage ``name`` (``joint``, ``lowered``, ``forward``, ``backward``) of ``model``'s graph,
-    compiled once per (model, rank, per_use) with schedule "none". ``per_use``: parameters read
+    compiled once per (model, rank, per_use) with schedule "none" and every parameter resharded
+    after forward (the drawings show every block gathered again in backward). ``per_use``: parameters read
     through one annotation op per use, not as ghosts (as by a module compiled without its
     sharded root)."""
     key = (model, rank, per_use)
@@ -81,7 +82,7 @@ def stage(model: type[nn.Module], name: str, rank: int = 0, per_use: bool = Fals
         reads = mock.patch("autoshard.runtime.leaves.tracing_for_backend", return_value=False) if per_use else nullcontext()
         with reads:
             step = compile_step(model, lambda: (torch.randn(2, 8), torch.randn(2, 8 if model is Tied else 6)),
-                                world_size=WORLD, rank=rank, options={"schedule": "none"})
+                                world_size=WORLD, rank=rank, options={"schedule": "none", "reshard_after_forward": True})
         (_compiled[key],) = step.graphs.compiled
     gm = _compiled[key][name]
     with warnings.catch_warnings():  # copying pytree specs warns of a deprecation inside torch

@@ -14,6 +14,7 @@ from torch import fx
 import autoshard
 from autoshard._compat import c10d
 from autoshard.compiler import backend
+from autoshard.passes.graph_utils import PARAMS
 
 from fake_pg import compile_step, count, fake_world
 from models import batch, build
@@ -50,9 +51,26 @@ def test_one_gather_per_parameter_and_one_reduce_per_gradient(name):
 
 
 def test_reshard_after_forward_regathers_in_backward_and_saves_no_full_parameter():
-    _, fw, bw = _compile_step("gpt")
+    _, fw, bw = _compile_step("gpt", reshard_after_forward=True)
     assert count(bw, "all_gather_into_tensor") > 0
     assert _saved_gathers(fw) == []
+
+
+def _gathered(gm: fx.GraphModule) -> set[str]:
+    return {name for n in gm.graph.nodes if n.target is c10d.all_gather_into_tensor.default for name in n.meta[PARAMS]}
+
+
+def test_by_default_the_last_block_and_the_final_norm_stay_gathered_for_backward():
+    """``autoshard.shard``'s default: what the backward needs first (the last of 2 blocks, the
+    final norm after it) is kept from forward; the rest, the tied embedding/head included
+    (first used at the start of forward), is gathered again."""
+    model, fw, bw = _compile_step("gpt")
+    _, _, bw_always = _compile_step("gpt", reshard_after_forward=True)
+    kept = {n for n, _ in model.named_parameters() if n.startswith(("blocks.1.", "ln_f."))}
+    assert kept and _gathered(fw) == {n for n, _ in model.named_parameters()}
+    assert _gathered(bw) == _gathered(bw_always) - kept  # (the backward gathers only what it reads)
+    assert "wte.weight" in _gathered(bw) and kept & _gathered(bw_always)
+    assert _saved_gathers(fw)  # the kept ones the backward reads go to it from the forward
 
 
 def test_without_reshard_the_forward_keeps_gathered_parameters():

@@ -45,7 +45,8 @@ def test_merge_shared_gathers_a_tied_weight_once_and_reduces_the_summed_gradient
 
 def test_lower_turns_annotations_into_collectives_and_waits(drawing):
     """Each unshard becomes a gather and its wait, each reduce_grad a reduce-scatter and its
-    wait, in place; gathers are tagged to be recomputed (gathered again) in backward.
+    wait, in place; with ``reshard_after_forward=True`` every gather is tagged to be recomputed
+    (gathered again) in backward.
 
     before:  un(0.w) un(0.b) mm un(1.w) un(1.b) mm un(2.w) un(2.b) mm un(norm.w) un(norm.b) ln
              ln_bw rg(norm.w) rg(norm.b) mm mm rg(2.b) rg(2.w) mm mm rg(1.b) rg(1.w) mm rg(0.b) rg(0.w)
@@ -57,12 +58,24 @@ def test_lower_turns_annotations_into_collectives_and_waits(drawing):
     joint = stage(Stack, "joint")
     assert events(joint) == drawing("before")
     (group,) = {arg(n, "group_name") for n in joint.graph.nodes if is_op(n, torch.ops.autoshard.unshard)}
-    lower_annotations(joint)
+    lower_annotations(joint, reshard_after_forward=True)
     assert events(joint) == drawing("after")
     reduces = [n for n in joint.graph.nodes if n.target is c10d.reduce_scatter_tensor.default]
     assert {(arg(g, "group_name"), arg(g, "group_size")) for g in gathers(joint)} == {(group, WORLD)}
     assert {(arg(r, "group_name"), arg(r, "group_size"), arg(r, "reduce_op")) for r in reduces} == {(group, WORLD, "avg")}
     assert all(recompute_region(g) is not None for g in gathers(joint))
+
+
+def test_lower_by_default_keeps_what_the_backward_needs_first(drawing):
+    """Each parameter's flag left to the lowering (``autoshard.shard``'s default): the last
+    block (layers.2) and the norm used after it stay gathered for the backward, which starts
+    with them; the other blocks are gathered again (/R: recompute, -: untagged).
+
+    after:  ag(0.w)/R ag(0.b)/R ag(1.w)/R ag(1.b)/R ag(2.w)/- ag(2.b)/- ag(norm.w)/- ag(norm.b)/-
+    """
+    joint = stage(Stack, "joint")
+    assert {arg(n, "reshard") for n in joint.graph.nodes if is_op(n, torch.ops.autoshard.unshard)} == {None}
+    assert policies(lower_annotations(joint)) == drawing("after")
 
 
 def test_lower_without_reshard_tags_nothing_for_recompute(drawing):

@@ -102,14 +102,15 @@ def _average_over_replicas(t: torch.Tensor, replica_group: str, replicas: int) -
 
 @torch.library.custom_op("autoshard::unshard", mutates_args=())
 def unshard(  # one line per group of arguments (see the module docstring)
-    shard: torch.Tensor, group_name: str, world_size: int, dim0: int, reshard: bool, name: str,
+    shard: torch.Tensor, group_name: str, world_size: int, dim0: int, reshard: Optional[bool], name: str,
     sink: Optional[torch.Tensor], param_dtype: Optional[torch.dtype], reduce_dtype: Optional[torch.dtype],
     replica_group: str, replicas: int,
 ) -> torch.Tensor:
     """All-gather ``shard`` (this rank's rows of a ``dim0``-row parameter), cast to
     ``param_dtype`` first, into the full parameter.
 
-    ``reshard``: free the result after forward and gather again in backward. Backward:
+    ``reshard``: free the result after forward and gather again in backward; None: unless the
+    backward needs it first (the lowering decides, see ``passes/lower.py``). Backward:
     :func:`reduce_grad`, or the full gradient to ``sink`` when one is given.
     """
     padded = pad_rows(_cast(shard, param_dtype), chunk_rows(dim0, world_size)).contiguous()

@@ -180,9 +180,12 @@ def shard(
             parameters. Without a process group there is nothing to shard (world size 1): the
             module is only marked, and ``strategy`` and ``mixed_precision`` change nothing.
         reshard_after_forward: free gathered parameters after forward and gather them again
-            in backward (ZeRO-3). ``False`` keeps them from forward to backward. Default: True
-            for ``"full"`` and ``"hybrid"``, False for ``"grad_op"`` (and ``"replicate"``,
-            which gathers nothing); True with those two is an error.
+            in backward (ZeRO-3). ``False`` keeps them from forward to backward. Default, for
+            ``"full"`` and ``"hybrid"``: all but those the backward needs first, the last
+            repeated block and the parameters first used after it (torchtitan's default for
+            FSDP2: kept, they cost no memory at the step's peak and save the backward's first,
+            exposed gathers); False for ``"grad_op"`` (and ``"replicate"``, which gathers
+            nothing); True with those two is an error.
         strategy: ``"full"`` (ZeRO-3), ``"grad_op"`` (ZeRO-2: parameters stay gathered from
             forward to backward; gradients and optimizer state sharded), ``"replicate"``
             (DDP: full parameters on every rank, gradients all-reduced in buckets during the
@@ -221,8 +224,8 @@ def shard(
         setattr(module, _SHARDED, True)
         return module
     mesh = mesh if mesh is not None else _default_mesh(module)
-    if reshard_after_forward is None:
-        reshard_after_forward = strategy in ("full", "hybrid")
+    if reshard_after_forward is None and strategy not in ("full", "hybrid"):
+        reshard_after_forward = False  # None stays: the lowering keeps what the backward needs first
     # Plan every new parameter, agree, build them all, then install: nothing is half-applied.
     layouts, owners = _plan(module, mesh, strategy, reshard_after_forward, mixed_precision)
     # Ranks that built different models would otherwise hang or train apart: fail alike first.
@@ -234,7 +237,7 @@ def shard(
 
 
 def _plan(
-    module: nn.Module, mesh: DeviceMesh, strategy: str, reshard: bool, mixed_precision: MixedPrecision | None
+    module: nn.Module, mesh: DeviceMesh, strategy: str, reshard: bool | None, mixed_precision: MixedPrecision | None
 ) -> tuple[Layouts, Owners]:
     """(each new parameter's placements by id, each owning module's specs), changing nothing."""
     groups, split, replicated = layout(mesh, strategy)
@@ -266,7 +269,7 @@ def _plan(
             param_dtype, reduce_dtype = dtypes_for(param, mixed_precision)
             dim0 = param.shape[0] if splits else -1
             specs[name] = ParamSpec(
-                dim0=dim0, reshard=reshard and splits, name=fqn, param_dtype=param_dtype, reduce_dtype=reduce_dtype, **groups
+                dim0=dim0, reshard=reshard if splits else False, name=fqn, param_dtype=param_dtype, reduce_dtype=reduce_dtype, **groups
             )
         if specs:
             owners.append((mod, specs))

@@ -32,7 +32,7 @@ class ParamSpec:
     group_name: str  # the group the parameter is sharded over (replicated: averaged over)
     world_size: int
     dim0: int  # full rows; -1 for a replicated parameter (0-d, or strategy "replicate")
-    reshard: bool
+    reshard: bool | None  # None: all but what the backward needs first (passes/lower.py)
     name: str  # fully qualified, relative to the outermost module passed to shard()
     param_dtype: torch.dtype | None = None  # gathered and computed in; None: its own
     reduce_dtype: torch.dtype | None = None  # gradients reduced in; None: the gradient's

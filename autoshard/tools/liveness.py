@@ -23,8 +23,7 @@ from typing import Callable, Collection
 import torch
 from torch import fx
 
-from autoshard.passes.bucket import block_of
-from autoshard.passes.graph_utils import GATHERED, PARAMS, collective_kind, is_copy, is_view, is_wait, out_buffer, tensor_bytes
+from autoshard.passes.graph_utils import GATHERED, PARAMS, block_of, collective_kind, is_copy, is_view, is_wait, out_buffer, tensor_bytes
 from autoshard.passes.step_model import linger, never, reads_input_until_wait
 
 Order = list[tuple[str, fx.Node]]  # (stage, node) in the order the step runs them

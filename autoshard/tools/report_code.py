@@ -7,7 +7,7 @@ import re
 
 from torch import fx
 
-from autoshard.passes.bucket import block_of
+from autoshard.passes.graph_utils import block_of
 from autoshard.tools.liveness import module_path
 
 MAX_CODE_CHARS = 500_000  # per stage in the page, after folding; an 8B model's joint graph is tens of MB
