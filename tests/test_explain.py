@@ -143,7 +143,7 @@ def test_the_html_page_has_one_item_per_collective_and_the_memory_curve(report, 
     report.save_html(tmp_path / "r.html")
     page = (tmp_path / "r.html").read_text()
     collectives = report.collectives()
-    assert len(collectives) == 6  # 2 forward gathers, 2 backward re-gathers (no bucket kept gathered without a budget), 2 reduce-scatters
+    assert len(collectives) == 5  # 2 forward gathers, 1 backward re-gather (the last block is kept by default), 2 reduce-scatters
     assert page.count('<g class="collective ') == len(collectives)
     for e in collectives:  # linked to its bucket row, which names its parameters
         assert f'href="#c-{e.stage}-{e.name}"' in page and f'id="c-{e.stage}-{e.name}"' in page

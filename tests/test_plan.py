@@ -193,11 +193,13 @@ def _wide():
 
 @functools.cache
 def _wide_plans() -> tuple[autoshard.Plan, autoshard.Plan]:
-    free = autoshard.plan(_wide, TOKENS, TOKENS, world_size=64, ranks_per_node=8)
+    # Every block resharded after forward (the budget below is placed between peaks of that setting).
+    free = autoshard.plan(_wide, TOKENS, TOKENS, world_size=64, ranks_per_node=8, reshard_after_forward=True)
     by = {o.candidate: o for o in free.outcomes}
     full, hybrid = by[Candidate("full", (64,))], by[Candidate("hybrid", (8, 8))]
     budget = full.peak_bytes + (hybrid.peak_bytes - full.peak_bytes) / 6  # full shard fits, hybrid over one node does not
-    return free, autoshard.plan(_wide, TOKENS, TOKENS, world_size=64, ranks_per_node=8, memory_budget_gb=budget / 2**30)
+    return free, autoshard.plan(_wide, TOKENS, TOKENS, world_size=64, ranks_per_node=8, memory_budget_gb=budget / 2**30,
+                                reshard_after_forward=True)
 
 
 def test_bounds_skip_layouts_that_cannot_win_without_compiling_them():
@@ -224,7 +226,7 @@ def test_under_a_budget_hybrid_misses_some_blocks_go_hybrid_and_beat_every_whole
     assert autoshard.Plan.from_json(plan.to_json()) == plan
     assert "hybrid, shard over 1 node for blocks.0" in plan.summary()
     report = autoshard.explain(lambda: autoshard.shard(_wide(), plan=plan), TOKENS, TOKENS, world_size=64, profile="h100",
-                               memory_budget_gb=plan.memory_budget_gb)
+                               memory_budget_gb=plan.memory_budget_gb, reshard_after_forward=True)
     assert report.metrics["step_time"] == pytest.approx(plan.chosen.step_time, rel=1e-9)
     with fake_world(64):
         model = autoshard.shard(_wide(), plan=plan)
