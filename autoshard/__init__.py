@@ -23,12 +23,13 @@ from autoshard.runtime.materialize import materialize, shards_in_place
 from autoshard.runtime.mixed_precision import MixedPrecision
 from autoshard.runtime.shard import is_sharded, shard
 from autoshard.tools import launch
+from autoshard.tools.cluster import Cluster, NodeGroup
 from autoshard.tools.explain import explain, explain_graphs
 from autoshard.tools.plan import Plan, plan
 from autoshard.tools.report import Report, timeline, write_report
 
 __all__ = [
-    "AutoshardError", "InflightCapError", "MixedPrecision", "OverBudgetError", "Plan", "PlanMismatchError",
+    "AutoshardError", "Cluster", "InflightCapError", "MixedPrecision", "NodeGroup", "OverBudgetError", "Plan", "PlanMismatchError",
     "RankFailedError", "Report", "ShardLayout", "UsageError", "autoshard_backend", "checkpoint", "errors", "explain",
     "explain_graphs", "full_state_dict", "is_sharded", "launch", "load", "materialize", "ops", "plan", "save", "shard",
     "shards_in_place",

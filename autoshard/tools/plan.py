@@ -36,8 +36,10 @@ from autoshard.compiler.cost_model import get_profile
 from autoshard.compiler.options import parse_options
 from autoshard.runtime.errors import OverBudgetError, UsageError
 from autoshard.runtime.shard import is_sharded, shard
+from autoshard.tools.cluster import Cluster
 from autoshard.tools.explain import add_input_arguments, explain, input_maker, load_factory
 from autoshard.tools.plan_layouts import PRECISIONS, Bounds, Candidate, Params, candidates
+from autoshard.tools.plan_shares import play
 from autoshard.tools.plan_result import Outcome, Plan, _limit_bytes, _mixed_precision
 from autoshard.tools.report_svg import fmt_bytes, fmt_time
 
@@ -85,10 +87,12 @@ class _Search:
     """The outcomes found so far, and how to add one (compile the candidate, or say why not)."""
 
     def __init__(self, factory: Callable[[], nn.Module], example_args: tuple, options: dict, bounds: Bounds, limit: float,
-                 ranks_per_node: int, progress: Callable[[str], None] | None) -> None:
+                 ranks_per_node: int, progress: Callable[[str], None] | None, cluster: Cluster | None = None,
+                 budget_gb: float | None = None) -> None:
         # options: explain's keyword arguments (world_size, profile, the backend options).
         self.factory, self.example_args, self.options, self.bounds, self.limit = factory, example_args, options, bounds, limit
         self.ranks_per_node, self.progress = ranks_per_node, progress
+        self.cluster, self.budget_gb = cluster, budget_gb  # a mixed cluster: each compile is also played on it
         self.outcomes: list[Outcome] = []
         self.smallest_over: int | None = None  # the least an over-budget candidate's schedule needed (OverBudgetError)
 
@@ -126,12 +130,17 @@ class _Search:
             else:
                 m = report.metrics
                 states = self.bounds.optimizer_states
+                mixed = {}
+                if self.cluster is not None:  # the same graphs on each rank type, with planned batch shares
+                    step = play(report, self.cluster, states * m["shard_bytes"], self.budget_gb)
+                    mixed = {"mixed_step": step.step_time, "types": step.types}
                 outcome = Outcome(c, m["step_time"], m["exposed_comm"], int(m["peak_bytes"] + states * m["shard_bytes"]),
-                                  energy_j=m["energy_j"], link_bytes=self.bounds.link_bytes(c))
+                                  energy_j=m["energy_j"], link_bytes=self.bounds.link_bytes(c), **mixed)
         self.outcomes.append(outcome)
         if self.progress is not None:
+            mixed = "" if outcome.mixed_step is None else f", on the mixed cluster {fmt_time(outcome.mixed_step)}"
             self.progress(f"autoshard plan: {c.label(self.ranks_per_node)}: " + (outcome.error or f"step {fmt_time(outcome.step_time)}, "
-                          f"peak {fmt_bytes(outcome.peak_bytes)}"))
+                          f"peak {fmt_bytes(outcome.peak_bytes)}{mixed}"))
         return outcome
 
 
@@ -185,9 +194,9 @@ def _mixed(search: _Search, blocks: tuple[str, ...], precision: str) -> None:
 
 
 def plan(
-    factory: Callable[[], nn.Module], *example_args: Any, world_size: int, ranks_per_node: int = 8,
-    memory_budget_gb: float | None = None, profile: str = "h100", precisions: tuple[str, ...] = ("fp32",),
-    progress: Callable[[str], None] | None = None, **options: Any,
+    factory: Callable[[], nn.Module], *example_args: Any, world_size: int | None = None, ranks_per_node: int | None = None,
+    memory_budget_gb: float | None = None, profile: str | None = None, precisions: tuple[str, ...] = ("fp32",),
+    progress: Callable[[str], None] | None = None, cluster: Cluster | None = None, **options: Any,
 ) -> Plan:
     """The fastest layout of ``factory``'s model over ``world_size`` ranks (``ranks_per_node``
     per node) whose predicted peak per rank fits ``memory_budget_gb`` (optimizer state
@@ -200,7 +209,34 @@ def plan(
     only where the lower bounds of :mod:`autoshard.tools.plan_layouts` leave them a chance),
     then, where the fastest does not fit the budget, the fastest that fits with as many of
     the model's repeated blocks as fit laid out as the faster one.
-    OverBudgetError (a ValueError) when no candidate fits, naming the smallest peak one has."""
+    OverBudgetError (a ValueError) when no candidate fits, naming the smallest peak one has.
+
+    ``cluster`` (instead of ``world_size``, ``ranks_per_node`` and ``profile``): a
+    :class:`~autoshard.tools.cluster.Cluster`. A homogeneous one gives exactly the plan of its
+    profile and size (``memory_budget_gb``: its memory, where given). A mixed one: the
+    candidates are compiled and searched as today's plan for the cluster taken as all of its
+    slowest type (every rank as slow and as small as the slowest); each compiled one is then
+    played on the mixed cluster with the batch shares :mod:`autoshard.tools.plan_shares`
+    chooses, and the plan is the fastest there whose every type fits its own memory
+    (:attr:`Plan.batch_shares`: each rank's fraction of the global batch; state shards stay even)."""
+    if cluster is not None:
+        if not isinstance(cluster, Cluster):
+            raise UsageError(f"autoshard.plan: cluster must be an autoshard.tools.cluster.Cluster, got {type(cluster).__name__}.")
+        given = [name for name, v in (("world_size", world_size), ("ranks_per_node", ranks_per_node), ("profile", profile))
+                 if v is not None]
+        if given:
+            raise UsageError(f"autoshard.plan: pass either cluster or {', '.join(given)}: the cluster gives its ranks, nodes "
+                             "and profiles.")
+        memory_budget_gb = cluster.smallest_memory_gb(memory_budget_gb)
+        if cluster.homogeneous:  # exactly today's plan
+            return plan(factory, *example_args, world_size=cluster.world_size, ranks_per_node=cluster.ranks_per_node,
+                        memory_budget_gb=memory_budget_gb, profile=cluster.nodes[0].profile, precisions=precisions,
+                        progress=progress, **options)
+        world_size, ranks_per_node = cluster.world_size, cluster.ranks_per_node
+    if world_size is None:
+        raise UsageError("autoshard.plan: pass world_size (the ranks to plan for), or a cluster.")
+    ranks_per_node = 8 if ranks_per_node is None else ranks_per_node
+    profile = "h100" if profile is None else profile
     if world_size < 1 or ranks_per_node < 1:
         raise UsageError(f"autoshard.plan: world_size and ranks_per_node must be at least 1, got {world_size} and {ranks_per_node}.")
     if not precisions or not set(precisions) <= set(PRECISIONS):
@@ -209,12 +245,15 @@ def plan(
     states = parse_options({"compiler": "aot_eager", **options}).optimizer_states
     # The profile's links as the plan's nodes have them.
     device = dataclasses.replace(get_profile(profile), ranks_per_node=ranks_per_node)
+    mixed = cluster is not None
+    if mixed:  # compiled as today's plan for the cluster taken as all of its slowest type
+        device = cluster.as_slowest()
     budget = {} if memory_budget_gb is None else {"memory_budget_gb": memory_budget_gb}
     with fake_tensor_mode():
         params = Params.of(factory())
     limit = _limit_bytes(memory_budget_gb)
     search = _Search(factory, example_args, {"world_size": world_size, "profile": device, **budget, **options},
-                     Bounds(params, device, states), limit, ranks_per_node, progress)
+                     Bounds(params, device, states), limit, ranks_per_node, progress, cluster, memory_budget_gb)
     whole = candidates(world_size, ranks_per_node, tuple(precisions))
     # The baselines first, always compiled (full shard, hybrid over one node); then the mixed
     # layouts between them, whose steps let the bounds rule out more of the rest; then the rest.
@@ -228,7 +267,10 @@ def plan(
         _mixed(search, tuple(params.blocks), precision)
     order = {c: i for i, c in enumerate(whole)}
     outcomes = sorted(search.outcomes, key=lambda o: order.get(o.candidate, len(order)))
-    fitting = [(o.step_time, o.peak_bytes, i, o) for i, o in enumerate(outcomes) if o in search.fitting()]
+    if mixed:  # each type under its own memory, at its planned share
+        fitting = [(o.mixed_step, max(t.peak_bytes for t in o.types), i, o) for i, o in enumerate(outcomes) if o.mixed_fits]
+    else:
+        fitting = [(o.step_time, o.peak_bytes, i, o) for i, o in enumerate(outcomes) if o in search.fitting()]
     if not fitting:
         smallest = min((o.peak_bytes for o in outcomes if o.error is None), default=None)
         if smallest is not None:
@@ -241,9 +283,12 @@ def plan(
         raise OverBudgetError(f"autoshard.plan: no layout of {world_size} ranks fits memory_budget_gb={memory_budget_gb}{hint}; "
                               "raise the budget, use more ranks, or recompute activations (torch.utils.checkpoint).",
                               smallest_bytes=smallest)
-    best = min(fitting, key=lambda t: t[:3])[3].candidate
-    return Plan(best.strategy, best.mesh_shape, world_size, ranks_per_node, device.name, memory_budget_gb, tuple(outcomes),
-                best.precision, best.blocks, best.block_strategy, best.block_mesh_shape, _tokens(example_args, world_size))
+    chosen = min(fitting, key=lambda t: t[:3])[3]
+    best = chosen.candidate
+    shares = tuple(t.share for t in chosen.types for _ in range(t.ranks)) if mixed else None
+    return Plan(best.strategy, best.mesh_shape, world_size, ranks_per_node, cluster.label if mixed else device.name,
+                memory_budget_gb, tuple(outcomes), best.precision, best.blocks, best.block_strategy, best.block_mesh_shape,
+                _tokens(example_args, world_size), shares, cluster)
 
 
 def _tokens(example_args: tuple, world_size: int) -> int | None:

@@ -10,9 +10,12 @@ import torch
 
 from autoshard.runtime.layout import ShardLayout
 from autoshard.runtime.mixed_precision import MixedPrecision
+from autoshard.tools.cluster import Cluster
 from autoshard.tools.plan_layouts import Candidate
+from autoshard.tools.plan_mixed import mixed_summary
 from autoshard.tools.report_svg import fmt_bytes, fmt_energy, fmt_time
 from autoshard.tools.simulator import kwh_per_million_tokens
+from autoshard.tools.simulator_mixed import TypeStep
 
 
 @dataclass(frozen=True)
@@ -26,6 +29,14 @@ class Outcome:
     error: str | None = None
     energy_j: float | None = None  # per rank and step (None where the profile has no power figures)
     link_bytes: tuple[float, float] | None = None  # sent per rank and step within a node, across nodes (Bounds.link_bytes)
+    # On a mixed cluster: the step with the planned batch shares, and each rank type's share,
+    # busy and waiting time and peak (step_time and peak_bytes above: every rank as the slowest).
+    mixed_step: float | None = None
+    types: tuple[TypeStep, ...] = ()
+
+    @property
+    def mixed_fits(self) -> bool:
+        return self.mixed_step is not None and all(t.fits for t in self.types)
 
 
 @dataclass(frozen=True)
@@ -45,6 +56,9 @@ class Plan:
     block_strategy: str = ""
     block_mesh_shape: tuple[int, ...] = ()
     tokens_per_step: int | None = None  # over all ranks, when the first input holds token ids
+    # Each global rank's fraction of the global batch (summing to 1); None: even. Set on a mixed cluster.
+    batch_shares: tuple[float, ...] | None = None
+    cluster: Cluster | None = None
 
     @property
     def candidate(self) -> Candidate:
@@ -66,6 +80,9 @@ class Plan:
         return _mixed_precision(self.precision)
 
     def summary(self) -> str:
+        return self._table() + ("" if self.cluster is None else "\n" + mixed_summary(self))
+
+    def _table(self) -> str:
         budget = "none" if self.memory_budget_gb is None else f"{self.memory_budget_gb:g} GiB"
         names = [("* " if o.candidate == self.candidate else "  ") + o.candidate.label(self.ranks_per_node) for o in self.outcomes]
         width = max(len("candidate"), *map(len, names))
@@ -92,15 +109,20 @@ class Plan:
         return "\n".join(lines)
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2)
+        data = asdict(self)
+        data["cluster"] = None if self.cluster is None else self.cluster.to_dict()
+        return json.dumps(data, indent=2)
 
     @staticmethod
     def from_json(text: str) -> Plan:
         data = json.loads(text)
         outcomes = tuple(Outcome(**{**o, "candidate": _candidate(o["candidate"]),
-                                    "link_bytes": tuple(o["link_bytes"]) if o.get("link_bytes") else None})
+                                    "link_bytes": tuple(o["link_bytes"]) if o.get("link_bytes") else None,
+                                    "types": tuple(TypeStep(**t) for t in o.get("types", ()))})
                          for o in data.pop("outcomes"))
-        return Plan(**{**data, **_tuples(data), "outcomes": outcomes})
+        cluster = Cluster.from_dict(data["cluster"]) if data.get("cluster") else None
+        shares = tuple(data["batch_shares"]) if data.get("batch_shares") else None
+        return Plan(**{**data, **_tuples(data), "outcomes": outcomes, "cluster": cluster, "batch_shares": shares})
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(self.to_json())

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from tabulate import tabulate
 from torch import fx
 
-from autoshard.compiler.cost_model import COLLECTIVE_KINDS, DeviceProfile, get_profile
+from autoshard.compiler.cost_model import COLLECTIVE_KINDS, DeviceProfile, collective_of, get_profile
 from autoshard.compiler.pipeline import STAGES
 from autoshard.passes.graph_utils import parameter_reads
 from autoshard.passes.schedule import PLAN
@@ -59,6 +59,10 @@ class Report:
         self.rank = rank if rank is not None else (dist.get_rank() if dist.is_initialized() else 0)
         self.world_size: int | None = dist.get_world_size() if dist.is_initialized() else None
         self.analysis: StepAnalysis = analyze(self.stages["forward"], self.stages.get("backward"), self.profile)
+        # Each process group's ranks, read while the group lives (the mixed-cluster simulator needs them later).
+        self.group_ranks: dict[str, tuple[int, ...]] = {
+            c.group: tuple(c.ranks) for s in ("forward", "backward") if s in self.stages
+            for n in self.stages[s].graph.nodes if (c := collective_of(n)) is not None}
         self.passes = self._passes()
         self.metrics = self._metrics()
 

@@ -1,0 +1,137 @@
+"""Mixed clusters (issue 33, item 3): the cluster description, the simulator playing each rank
+type on its own profile with its own batch share, and autoshard.plan choosing the shares."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import pytest
+import torch
+
+import autoshard
+from autoshard import Cluster, NodeGroup
+from autoshard.compiler.cost_model import get_profile
+from autoshard.runtime.errors import UsageError
+from autoshard.tools.plan_mixed import today
+from autoshard.tools.simulator import analyze
+from autoshard.tools.simulator_mixed import step_times
+
+from models import build
+
+TOKENS = torch.zeros(1, 64, dtype=torch.long)
+# Overhead-free profiles, so compute follows flops and bytes: "slow" is "fast" at half speed.
+FAST = dataclasses.replace(get_profile("cpu"), name="fast", op_overhead=0.0, launch_overhead=0.0, ranks_per_node=2)
+SLOW = dataclasses.replace(FAST, name="slow", peak_flops={k: v / 2 for k, v in FAST.peak_flops.items()},
+                           mem_bandwidth=FAST.mem_bandwidth / 2)
+
+
+def _mixed(slow_memory_gb: float | None = None) -> Cluster:
+    return Cluster((NodeGroup(1, FAST, ranks_per_node=2, price_per_hour=2.0),
+                    NodeGroup(1, SLOW, ranks_per_node=2, memory_gb=slow_memory_gb, price_per_hour=1.0)))
+
+
+@functools.cache
+def _report() -> autoshard.Report:
+    return autoshard.explain(lambda: build("gpt"), TOKENS, TOKENS, world_size=4, profile=SLOW,
+                             stages=("captured", "forward", "backward"))
+
+
+@functools.cache
+def _plan(slow_memory_gb: float | None = None) -> autoshard.Plan:
+    return autoshard.plan(lambda: build("gpt"), TOKENS, TOKENS, cluster=_mixed(slow_memory_gb))
+
+
+@pytest.mark.parametrize("nodes, match", [
+    ((), "non-empty sequence of NodeGroup"),
+    ((NodeGroup(0, "h100"),), "count must be a positive int"),
+    ((NodeGroup(1, "h100", ranks_per_node=0),), "ranks_per_node must be a positive int"),
+    ((NodeGroup(1, "h100", memory_gb=-1),), "memory_gb must be a positive number"),
+    ((NodeGroup(1, "h100", price_per_hour="4"),), "price_per_hour must be a positive number"),
+    ((NodeGroup(1, "b300"),), "unknown device profile 'b300'"),
+    ((NodeGroup(1, "h100", 8), NodeGroup(1, "a100", 4)), "same ranks_per_node"),
+    ((NodeGroup(1, "h100", price_per_hour=4.0), NodeGroup(1, "a100")), "price_per_hour for every node group or for none"),
+])
+def test_a_bad_cluster_is_refused_naming_what_is_wrong(nodes, match):
+    with pytest.raises(UsageError, match=match):
+        Cluster(nodes)
+
+
+def test_a_cluster_lays_its_node_groups_out_in_rank_order():
+    c = Cluster([NodeGroup(4, "h100", memory_gb=80), NodeGroup(4, "a100", memory_gb=40)])
+    assert c.world_size == 64 and c.ranks_per_node == 8 and c.first_ranks() == [0, 32]
+    assert c.nodes[c.slowest()].name == "a100" and c.smallest_memory_gb(None) == 40 and not c.homogeneous
+    assert c.label == "32x h100 + 32x a100"
+    # Across node types the slower NIC paces a ring.
+    assert c.link_profile([0, 1]).inter == get_profile("a100").inter
+    assert Cluster.from_dict(c.to_dict()) == c
+
+
+def test_the_mixed_simulator_on_one_profile_is_the_simulator():
+    report = _report()
+    same = Cluster((NodeGroup(1, SLOW, 2), NodeGroup(1, SLOW, 2)))
+    step, busy, wait = step_times(report.stages["forward"], report.stages["backward"], same, [1.0, 1.0], report.group_ranks)
+    analysis = analyze(report.stages["forward"], report.stages["backward"], SLOW)
+    assert step == pytest.approx(analysis.step_time, rel=1e-9)
+    assert busy == pytest.approx([analysis.compute_time] * 2, rel=1e-9)
+
+
+def test_a_rank_twice_as_slow_sets_the_step_and_its_proportional_share_shortens_it():
+    report = _report()
+    fwd, bwd, groups = report.stages["forward"], report.stages["backward"], report.group_ranks
+    even, busy, wait = step_times(fwd, bwd, _mixed(), [1.0, 1.0], groups)
+    assert busy[1] == pytest.approx(2 * busy[0], rel=1e-9)  # half the flops and bytes per second
+    assert wait[0] > wait[1]  # the fast ranks wait for the slow ones at every collective
+    # The step is the slowest rank's: as long as the slow ones alone would take.
+    alone = analyze(fwd, bwd, SLOW).step_time
+    assert even == pytest.approx(alone, rel=1e-9)
+    split, busy2, _ = step_times(fwd, bwd, _mixed(), [4 / 3, 2 / 3], groups)  # 2:1, samples kept
+    assert busy2[0] == pytest.approx(busy2[1], rel=1e-9)
+    assert split < even
+
+
+def test_the_plan_gives_the_faster_type_more_of_the_batch():
+    plan = _plan()
+    shares = plan.batch_shares
+    assert len(shares) == 4 and sum(shares) == pytest.approx(1.0, abs=1e-9)
+    assert shares[0] == shares[1] and shares[2] == shares[3]
+    assert shares[0] > 1.8 * shares[2]  # about twice: the fast type computes twice as fast
+    chosen, base = plan.chosen, today(plan)
+    assert chosen.mixed_step < base.step_time  # better than every rank as the slow one, even shares
+    assert chosen.mixed_step == min(o.mixed_step for o in plan.outcomes if o.mixed_fits)
+    summary = plan.summary()
+    assert "share/rank" in summary and "utilisation variance" in summary and "throughput per dollar" in summary
+
+
+def test_a_small_memory_caps_its_types_share_and_the_plan_keeps_within_it():
+    """The fast type's cards hold less than its proportional share needs: its share stops
+    where its memory does (state shards stay even: only the batch-sized memory moves)."""
+    free = _plan()
+    fast = free.chosen.types[0]
+    even_peak = free.chosen.peak_bytes
+    assert fast.peak_bytes > even_peak  # more samples, more activations
+    limit = (even_peak + fast.peak_bytes) / 2
+    capped = autoshard.plan(lambda: build("gpt"), TOKENS, TOKENS,
+                            cluster=Cluster((NodeGroup(1, FAST, 2, memory_gb=limit / 2**30), NodeGroup(1, SLOW, 2))))
+    types = capped.chosen.types
+    assert types[0].limit_bytes == limit and types[0].peak_bytes <= limit
+    assert fast.share > types[0].share > types[1].share
+    assert sum(capped.batch_shares) == pytest.approx(1.0, abs=1e-9)
+
+
+def test_a_mixed_plan_round_trips_through_json(tmp_path):
+    plan = _plan()
+    plan.save(tmp_path / "plan.json")
+    assert autoshard.Plan.load(tmp_path / "plan.json") == plan
+
+
+def test_a_homogeneous_cluster_gives_exactly_todays_plan():
+    cluster = Cluster((NodeGroup(2, "h100", ranks_per_node=2, memory_gb=1.0),))
+    assert cluster.homogeneous
+    planned = autoshard.plan(lambda: build("gpt"), TOKENS, TOKENS, cluster=cluster)
+    assert planned == autoshard.plan(lambda: build("gpt"), TOKENS, TOKENS, world_size=4, ranks_per_node=2, memory_budget_gb=1.0)
+    assert planned.batch_shares is None
+
+
+def test_a_cluster_and_a_world_size_together_are_refused():
+    with pytest.raises(UsageError, match="either cluster or world_size"):
+        autoshard.plan(lambda: build("gpt"), TOKENS, TOKENS, cluster=_mixed(), world_size=4)
