@@ -39,8 +39,8 @@ from autoshard.runtime.shard import is_sharded, shard
 from autoshard.tools.cluster import Cluster
 from autoshard.tools.explain import add_input_arguments, explain, input_maker, load_factory
 from autoshard.tools.plan_layouts import PRECISIONS, Bounds, Candidate, Params, candidates
-from autoshard.tools.plan_shares import play
 from autoshard.tools.plan_result import Outcome, Plan, _limit_bytes, _mixed_precision
+from autoshard.tools.plan_shares import play
 from autoshard.tools.report_svg import fmt_bytes, fmt_time
 
 
