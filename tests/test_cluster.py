@@ -135,3 +135,11 @@ def test_a_homogeneous_cluster_gives_exactly_todays_plan():
 def test_a_cluster_and_a_world_size_together_are_refused():
     with pytest.raises(UsageError, match="either cluster or world_size"):
         autoshard.plan(lambda: build("gpt"), TOKENS, TOKENS, cluster=_mixed(), world_size=4)
+
+
+def test_the_even_share_steps_are_todays_plan_for_the_cluster_taken_as_all_slow():
+    plan = _plan()
+    alone = autoshard.plan(lambda: build("gpt"), TOKENS, TOKENS, world_size=4, ranks_per_node=2, profile=SLOW)
+    assert today(plan).candidate == alone.chosen.candidate
+    assert [(o.candidate, o.step_time, o.peak_bytes) for o in plan.outcomes] == \
+        [(o.candidate, o.step_time, o.peak_bytes) for o in alone.outcomes]
