@@ -143,3 +143,13 @@ def test_the_even_share_steps_are_todays_plan_for_the_cluster_taken_as_all_slow(
     assert today(plan).candidate == alone.chosen.candidate
     assert [(o.candidate, o.step_time, o.peak_bytes) for o in plan.outcomes] == \
         [(o.candidate, o.step_time, o.peak_bytes) for o in alone.outcomes]
+
+
+def test_explain_on_a_mixed_cluster_reports_each_rank_types_share_busy_and_waiting_time():
+    report = autoshard.explain(lambda: build("gpt"), TOKENS, TOKENS, cluster=_mixed(), stages=("captured", "forward", "backward"))
+    assert report.world_size == 4 and report.profile.name == "slow"
+    fast, slow = report.mixed.types
+    assert fast.share > slow.share and fast.ranks * fast.share + slow.ranks * slow.share == pytest.approx(1.0)
+    summary = report.summary()
+    assert "mixed cluster: step (planned shares)" in summary and "utilisation variance across rank types" in summary
+    assert "fast (2 ranks)" in summary and "waiting" in summary

@@ -28,6 +28,8 @@ from autoshard.compiler.dump import recording
 from autoshard.compiler.options import SCHEDULES, parse_options
 from autoshard.runtime.errors import UsageError
 from autoshard.runtime.shard import is_sharded, shard
+from autoshard.tools.cluster import Cluster
+from autoshard.tools.plan_shares import play
 from autoshard.tools.report import Report
 
 ModelOrFactory = nn.Module | Callable[[], nn.Module]
@@ -35,7 +37,7 @@ ModelOrFactory = nn.Module | Callable[[], nn.Module]
 
 def explain(
     model_or_factory: ModelOrFactory, *example_args: Any, world_size: int = 8, profile: str = "h100",
-    stages: Collection[str] | None = None, **options: Any,
+    stages: Collection[str] | None = None, cluster: Cluster | None = None, **options: Any,
 ) -> Report:
     """The :class:`Report` of compiling one training step of a model with the autoshard
     backend at ``world_size`` ranks (this process plays rank 0).
@@ -54,6 +56,9 @@ def explain(
             backend's default for the inputs' device ("cpu" for CPU tensors).
         stages: the stages the report keeps (e.g. ``("captured", "forward", "backward")``, all
             its metrics need); None: every stage (copying one of a large graph takes seconds).
+        cluster: a mixed :class:`~autoshard.tools.cluster.Cluster`: compiled at its size on its
+            slowest profile (they replace ``world_size`` and ``profile``), then played with every
+            rank type on its own profile and planned batch share (:attr:`Report.mixed`, in the summary).
         options: any other backend option (``schedule``, ``bucket_mb``, ...); ``compiler``
             defaults to "aot_eager": the graphs as the backend hands them to the inner compiler
             (Inductor's decompositions would change the ATen ops, not the collectives).
@@ -64,7 +69,14 @@ def explain(
     before and after); raises ValueError when Dynamo split the model into several graphs
     (graph breaks): :func:`explain_graphs` returns a report per graph.
     """
+    if cluster is not None:
+        if not isinstance(cluster, Cluster):
+            raise UsageError(f"autoshard.explain: cluster must be an autoshard.Cluster, got {type(cluster).__name__}.")
+        world_size, profile = cluster.world_size, cluster.as_slowest()
     reports = _explain(model_or_factory, lambda _model: example_args, world_size, profile, options, stages)
+    if cluster is not None:
+        for report in reports:
+            report.mixed = play(report, cluster, 0, None)
     if len(reports) != 1:
         raise ValueError(
             f"autoshard.explain: Dynamo compiled {len(reports)} graphs (graph breaks); use autoshard.explain_graphs, which "
