@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -153,3 +156,18 @@ def test_explain_on_a_mixed_cluster_reports_each_rank_types_share_busy_and_waiti
     summary = report.summary()
     assert "mixed cluster: step (planned shares)" in summary and "utilisation variance across rank types" in summary
     assert "fast (2 ranks)" in summary and "waiting" in summary
+
+
+def test_the_console_command_plans_a_cluster_file(tmp_path):
+    spec = tmp_path / "cluster.json"
+    spec.write_text(json.dumps({"nodes": [{"count": 1, "profile": "h100", "ranks_per_node": 4, "memory_gb": 80},
+                                          {"count": 1, "profile": "a100", "ranks_per_node": 4, "memory_gb": 40}]}))
+    out = tmp_path / "plan.json"
+    proc = subprocess.run([sys.executable, "-m", "autoshard", "plan", "examples/train_gpt.py:build_model", "--cluster", str(spec),
+                           "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    plan = autoshard.Plan.load(out)
+    assert plan.world_size == 8 and len(plan.batch_shares) == 8 and "rank type" in proc.stdout
+    bad = subprocess.run([sys.executable, "-m", "autoshard", "plan", "examples/train_gpt.py:build_model", "--cluster", str(spec),
+                          "--world-size", "8"], capture_output=True, text=True, timeout=600)
+    assert bad.returncode == 1 and "either cluster or world_size" in bad.stderr

@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -309,14 +311,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           "print each one's predicted step and peak, and the fastest that fits --memory-budget-gb.")
     parser.add_argument("factory", metavar="FILE.py:FACTORY", help="a function returning the unsharded model, e.g. "
                         "examples/train_gpt.py:build_model; also MODULE:FACTORY")
-    parser.add_argument("--world-size", type=int, required=True, help="ranks of the world to plan for")
-    parser.add_argument("--ranks-per-node", type=int, default=8, help="ranks per node (default 8)")
+    parser.add_argument("--world-size", type=int, help="ranks of the world to plan for (or --cluster)")
+    parser.add_argument("--ranks-per-node", type=int, help="ranks per node (default 8)")
+    parser.add_argument("--cluster", metavar="FILE.json", help='a mixed cluster instead of --world-size, --ranks-per-node and '
+                        '--profile: {"nodes": [{"count": 4, "profile": "h100", "memory_gb": 80, "price_per_hour": 4.0}, ...]}')
     parser.add_argument("--memory-budget-gb", type=float, help="per-rank memory the plan must fit, optimizer state included (GiB)")
-    parser.add_argument("--profile", default="h100", help="device profile: h100, a100, cpu or a .json from `autoshard calibrate`")
+    parser.add_argument("--profile", help="device profile: h100 (default), a100, cpu or a .json from `autoshard calibrate`")
     parser.add_argument("--precisions", nargs="+", choices=PRECISIONS, default=["fp32"],
                         help="precisions a layout may gather and compute in (bf16: gradients reduced in float32)")
     add_input_arguments(parser)
     parser.add_argument("--json", metavar="PATH", help="write the plan here (autoshard.Plan.load reads it)")
+
+
+def _read_cluster(path: str) -> Cluster:
+    try:
+        return Cluster.from_dict(json.loads(Path(path).read_text()))
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise UsageError(f"autoshard plan: cannot read the cluster {path!r}: {e}; write "
+                         '{"nodes": [{"count": 4, "profile": "h100", "memory_gb": 80}, ...]}.') from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -326,9 +338,10 @@ def run(args: argparse.Namespace) -> int:
         make_inputs = input_maker("autoshard plan", args)
         with torch.device("meta"):  # only to read the inputs' shapes off the model's config
             example = make_inputs(factory())
+        cluster = _read_cluster(args.cluster) if args.cluster else None
         result = plan(factory, *example, world_size=args.world_size, ranks_per_node=args.ranks_per_node,
                       memory_budget_gb=args.memory_budget_gb, profile=args.profile, precisions=tuple(args.precisions),
-                      progress=lambda line: print(line, flush=True))
+                      progress=lambda line: print(line, flush=True), cluster=cluster)
     except ValueError as e:  # UsageError, OverBudgetError, ...: reported as one line, exit status 1
         message = str(e) if str(e).startswith("autoshard") else f"autoshard plan: {e}"
         sys.exit(message.replace("\n", " "))
