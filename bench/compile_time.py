@@ -24,6 +24,13 @@ Phases (seconds, each exclusive of the others):
 ``vs_plain`` is autoshard's total over plain's from the same run; with ``--repeat N`` each
 system's fastest of N compiles (alternating which runs first) is kept.
 
+``--warm``: restart time instead. Per depth, inner compiler and system, one process compiles
+with an empty cache directory (cold), then a second process, the same code, model and cache
+directory, compiles again (warm), FX-graph and AOT-autograd caches on as PyTorch ships them;
+``warm_vs_plain`` is autoshard's warm total over plain's::
+
+    python bench/compile_time.py --warm --layers 4 16 --compilers aot_eager inductor
+
 ``--calls``: Python function calls per phase (millions, cProfile) instead of seconds: slower,
 but a count repeats from run to run where this machine's times move by tens of percent::
 
@@ -198,15 +205,43 @@ def measure(system: str, compiler: str, layers: int, world_size: int = 8, count_
             "passes": dict(per_pass), "steady_fwd_s": fwd, "steady_bwd_s": bwd}
 
 
-def _measure_in_child(system: str, compiler: str, layers: int, world_size: int, count_calls: bool = False) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory() as cache:
-        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "TORCHINDUCTOR_FX_GRAPH_CACHE": "0",
-               "TORCHINDUCTOR_AUTOGRAD_CACHE": "0", "PYTHONWARNINGS": "ignore"}
-        cmd = [sys.executable, __file__, "--child", system, compiler, str(layers), str(world_size)] + ["--calls"] * count_calls
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+def _child(system: str, compiler: str, layers: int, world_size: int, cache: str, caches_on: bool,
+           count_calls: bool = False) -> dict[str, Any]:
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "PYTHONWARNINGS": "ignore"}
+    for var in ("TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCHINDUCTOR_AUTOGRAD_CACHE"):
+        if caches_on:
+            env.pop(var, None)  # as PyTorch ships them
+        else:
+            env[var] = "0"
+    cmd = [sys.executable, __file__, "--child", system, compiler, str(layers), str(world_size)] + ["--calls"] * count_calls
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"{system} {compiler} {layers} layers failed:\n{done.stderr[-4000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _measure_in_child(system: str, compiler: str, layers: int, world_size: int, count_calls: bool = False) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as cache:
+        return _child(system, compiler, layers, world_size, cache, False, count_calls)
+
+
+def run_warm(layers: list[int], compilers: list[str], world_size: int) -> list[dict[str, Any]]:
+    """Per depth and inner compiler, each system cold then warm (two processes, one cache directory)."""
+    rows = []
+    for compiler in compilers:
+        for n in layers:
+            got: dict[str, dict[str, float]] = {}
+            for system in SYSTEMS:
+                with tempfile.TemporaryDirectory() as cache:
+                    for when in ("cold", "warm"):
+                        print(f"{compiler} {n} layers {system} {when} ...", end=" ", file=sys.stderr, flush=True)
+                        total = _child(system, compiler, n, world_size, cache, True)["total"]
+                        print(f"{total:.2f} s", file=sys.stderr, flush=True)
+                        got.setdefault(system, {})[when] = total
+            for system in SYSTEMS:
+                rows.append({"compiler": compiler, "layers": n, "system": system, **got[system],
+                             "warm_vs_plain": got[system]["warm"] / got["plain"]["warm"]})
+    return rows
 
 
 def run(layers: list[int], compilers: list[str], repeat: int, world_size: int, count_calls: bool = False) -> list[dict[str, Any]]:
@@ -234,6 +269,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1, help="compiles per system and size; the fastest is kept")
     parser.add_argument("--world-size", type=int, default=8)
     parser.add_argument("--calls", action="store_true", help="count Python calls per phase instead of timing it")
+    parser.add_argument("--warm", action="store_true", help="cold then warm compile (2nd process, same cache directory)")
     parser.add_argument("--json", help="also write the rows to this file")
     parser.add_argument("--child", nargs=4, metavar=("SYSTEM", "COMPILER", "LAYERS", "WORLD"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -244,6 +280,16 @@ def main() -> None:
 
     from tabulate import tabulate
 
+    if args.warm:
+        rows = run_warm(args.layers, args.compilers, args.world_size)
+        print(f"GPT width {WIDTH['n_embd']}, seq {WIDTH['block_size']}, batch {BATCH}; autoshard at world size "
+              f"{args.world_size} (fake process group); seconds of the first training step's compile, in a process "
+              "with an empty cache directory (cold) and in a second one with the same directory (warm)")
+        cols = ["compiler", "layers", "system", "cold", "warm", "warm_vs_plain"]
+        print(tabulate([[r[c] for c in cols] for r in rows], headers=cols, floatfmt=".2f"))
+        if args.json:
+            Path(args.json).write_text(json.dumps({"config": vars(args), "rows": rows}, indent=2))
+        return
     rows = run(args.layers, args.compilers, args.repeat, args.world_size, args.calls)
     unit = "millions of Python calls" if args.calls else "seconds"
     print(f"GPT width {WIDTH['n_embd']}, seq {WIDTH['block_size']}, batch {BATCH}; autoshard at world size "

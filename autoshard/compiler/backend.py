@@ -32,8 +32,10 @@ from autoshard._compat import (
     unlogged_graph_text,
     unset_fake_temporarily,
 )
+from autoshard._compat.caches import caches_on, keyed_by
 from autoshard.compiler import pipeline
-from autoshard.compiler.consistency import reports_compile_failure
+from autoshard.compiler.cache_key import cache_key, graph_key
+from autoshard.compiler.consistency import check_keys_agree, reports_compile_failure
 from autoshard.compiler.cost_model import DeviceProfile, get_profile, schedule_config
 from autoshard.compiler.dump import GraphDump
 from autoshard.compiler.ghosts import gather_ghosts, with_leaves
@@ -147,13 +149,14 @@ def _param_bytes(example_inputs: Sequence[Any]) -> int:
 
 @reports_compile_failure
 def _finish(
-    gm: fx.GraphModule, side: str, dump: GraphDump, clog: CompileLog, opts: Options, param_bytes: int, inference: bool = False
+    gm: fx.GraphModule, side: str, dump: GraphDump, clog: CompileLog, opts: Options, param_bytes: int, inference: bool = False,
+    key_agreed: bool = False,
 ) -> fx.GraphModule:
     """Run the partitioned pipeline (:data:`autoshard.compiler.pipeline.PARTITIONED`) on one forward or
     backward graph, writing its stages (and the report once the graph's last stage is done)."""
     profile = _profile(gm, opts)
     collectives = pipeline.gloo_memory(profile.comm_release_late, profile.comm_input_copied, opts.compiler)
-    ctx = pipeline.Context(opts, side, schedule_config(profile, collectives), param_bytes=param_bytes)
+    ctx = pipeline.Context(opts, side, schedule_config(profile, collectives), param_bytes=param_bytes, key_agreed=key_agreed)
     # Outside the compile's fake mode and Python dispatcher: every torch call in the passes
     # would go through them (a view of a meta tensor: 75x slower). The passes build fake
     # values with their inputs' fake mode.
@@ -191,15 +194,22 @@ def _compile(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict | 
         with phase("joint_passes"):
             return pipeline.run(pipeline.JOINT, joint, pipeline.Context(opts, "joint"), write)
 
-    # The AOT autograd cache would skip joint_pass (and the dumps) on a hit.
-    with functorch_config.patch(joint_custom_pass=joint_pass, enable_autograd_cache=False), unlogged_graph_text():
+    # Inductor's caches serve a compile unless its stages are asked for (a hit skips the passes
+    # and so their dumps): then the AOT autograd cache is off, as it is for aot_eager anyway.
+    cached = opts.compiler == "inductor" and caches_on() and not (opts.debug_dir or clog.wants_copies())
+    key = cache_key(gm, opts, _profile(gm, opts)) if cached else None
+    if key is not None:
+        with phase("cache_key"):
+            check_keys_agree(graph_key(gm, example_inputs, key), "captured")
+    with functorch_config.patch(joint_custom_pass=joint_pass, enable_autograd_cache=cached), unlogged_graph_text(), \
+            keyed_by(key) if key is not None else contextlib.nullcontext():
         if opts.compiler == "inductor":
 
             @_paused  # the backward is compiled lazily, outside autoshard_backend
             def inner_compile(g: fx.GraphModule, inputs: Sequence[Any], **kwargs: Any) -> Any:
                 side = "backward" if kwargs.get("is_backward") else "forward"
                 with _one_recompile(g):
-                    g = _finish(g, side, dump, clog, opts, param_bytes, kwargs.get("is_inference", False))
+                    g = _finish(g, side, dump, clog, opts, param_bytes, kwargs.get("is_inference", False), cached)
                 if not pipeline.keeps_order(opts.schedule):
                     return compile_fx_inner(g, inputs, **kwargs)
                 # Inductor must keep the order the schedule chose.

@@ -141,15 +141,8 @@ def check_ranks_agree(gm: fx.GraphModule, what: str) -> None:
     """
     if not multi_rank():
         return
-    rank, world = dist.get_rank(), dist.get_world_size()
-    key = f"autoshard/plan/{next(_exchanges)}"
-    store = default_store()
-    events = plan_events(gm)
     # The events themselves, not only their hash: a mismatch names what differs.
-    store.set(f"{key}/{rank}", repr(events))
-    keys = [f"{key}/{r}" for r in range(world)]
-    _wait_for_plans(keys, what)
-    texts = [store.get(k).decode() for k in keys]
+    texts = _exchange(repr(plan_events(gm)), what)
     if len(set(texts)) > 1:
         plans = {r: ast.literal_eval(text) for r, text in enumerate(texts)}
         groups: dict[str, list[int]] = {}
@@ -161,4 +154,35 @@ def check_ranks_agree(gm: fx.GraphModule, what: str) -> None:
             f"and running it would hang. First difference: {first_difference(plans)}. A per-rank branch or per-rank "
             "input shapes in the model split the plan: make every rank run the same code with the same shapes and "
             "options. If they already do, this is an autoshard bug: please report it with this message."
+        )
+
+
+def _exchange(text: str, what: str) -> list[str]:
+    """Every rank's ``text`` (rank order), through the store; every rank calls it alike."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    key = f"autoshard/plan/{next(_exchanges)}"
+    store = default_store()
+    store.set(f"{key}/{rank}", text)
+    keys = [f"{key}/{r}" for r in range(world)]
+    _wait_for_plans(keys, what)
+    return [store.get(k).decode() for k in keys]
+
+
+def check_keys_agree(key: str, what: str) -> None:
+    """Before a compile the caches may serve: exchange its cache key (the Dynamo graph and
+    every input of the plan, compiler/cache_key.py) with every rank; raise the same error on
+    all if any differ. It replaces the plan exchange, which a rank whose compile hit the cache
+    would skip while a rank that missed waits for it: equal keys give equal plans."""
+    if not multi_rank():
+        return
+    texts = _exchange(key, what)
+    if len(set(texts)) > 1:
+        groups: dict[str, list[int]] = {}
+        for r, text in enumerate(texts):
+            groups.setdefault(text, []).append(r)
+        detail = "; ".join(f"ranks {ranks}: {k[:16]}" for k, ranks in sorted(groups.items(), key=lambda kv: kv[1]))
+        raise PlanMismatchError(
+            f"autoshard backend: ranks compile different {what} graphs or options (cache keys {detail}), and running them "
+            "would hang. A per-rank branch, per-rank input shapes or per-rank options split them: make every rank run the "
+            "same code with the same shapes and options (compile with options={'debug_dir': ...} to compare their graphs)."
         )

@@ -65,6 +65,8 @@ class Context:
     bucket_mb: float | None = None
     plan: Any = None
     param_bytes: int = 0  # this rank's parameter shards: with the optimizer state, held outside the graphs
+    # The ranks already agreed on the compile's cache key, which fixes the plan (consistency.check_keys_agree).
+    key_agreed: bool = False
 
 
 @dataclass(frozen=True)
@@ -225,7 +227,7 @@ PARTITIONED: tuple[Step, ...] = (
     Pass("inductor_schedule", _inductor_schedule, 'schedule "inductor": PyTorch\'s bucketing and overlap scheduler',
          frozenset({LOWERED}), frozenset({ORDERED}), ("inductor",)),
     # Every rank must issue the same collectives in the same order: checked last, on the final order.
-    Pass("check_ranks_agree", lambda gm, ctx: check_ranks_agree(gm, ctx.side), None, frozenset({LOWERED})),
+    Pass("check_ranks_agree", lambda gm, ctx: ctx.key_agreed or check_ranks_agree(gm, ctx.side), None, frozenset({LOWERED})),
     # gloo corrupts its heap with several out-of-place gathers in flight, and frees what it
     # holds when it likes (see passes/gloo.py).
     Pass("gloo", _gloo, "over gloo, gathers write into buffers, reduce-scatters run as all-to-alls, and the graph frees "

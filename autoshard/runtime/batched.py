@@ -10,11 +10,14 @@ back into the per-parameter ops of :mod:`autoshard.runtime.ops`, each at its own
 
 Both ops apply, to the i-th tensor, the i-th *call* of a table entry named by ``key``: a
 per-parameter op and its arguments after the tensor (:func:`key_for`). Arguments are plain
-constants, so an entry is found again by value and the table holds one entry per distinct
-batch, however often graphs are compiled.
+constants, so the key is a hash of the calls' text: the same model gives the same graph text
+in any process, whatever it compiled before, which the compile caches key on
+(docs/caching.md). The table holds one entry per distinct batch, however often graphs are
+compiled.
 """
 from __future__ import annotations
 
+import hashlib
 from typing import Any, Sequence
 
 import torch
@@ -25,16 +28,17 @@ from autoshard.runtime import ops
 Call = tuple[OpOverload, tuple]  # a per-parameter op, its arguments after the tensor
 
 _TABLE: dict[str, tuple[Call, ...]] = {}
-_KEYS: dict[tuple[Call, ...], str] = {}
 
 
 def key_for(calls: Sequence[Call]) -> str:
-    """The key of the table entry holding ``calls`` (made if new)."""
+    """The key of the table entry holding ``calls`` (made if new): a hash of their text, so
+    it names the same calls in every process."""
     calls = tuple(calls)
-    key = _KEYS.get(calls)
-    if key is None:
-        key = _KEYS[calls] = f"batch{len(_KEYS)}"
-        _TABLE[key] = calls
+    text = repr([(str(op), rest) for op, rest in calls])
+    key = "batch_" + hashlib.sha256(text.encode()).hexdigest()[:20]
+    found = _TABLE.setdefault(key, calls)
+    if found != calls:  # a collision of 80 bits: never expected, but never silently wrong
+        raise RuntimeError(f"autoshard: two batches hash to {key}; please report this as an autoshard bug")
     return key
 
 

@@ -1,0 +1,106 @@
+"""Inductor's compile caches under autoshard (docs/caching.md): a second process with the same
+cache directory hits them and computes the same step; what changes the plan changes the key;
+artifacts saved by one process warm another. Each compile runs in its own process (a cache is
+only worth something across processes), on a 2-layer GPT at world size 2 (fake process group)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+WIDTH = dict(n_embd=32, n_head=2, block_size=16, vocab_size=64)
+
+
+def _child(options: dict, world: int, save: str | None, load: str | None) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    import autoshard
+    from autoshard._compat import fake_process_group
+    from autoshard._compat.caches import cache_counts
+    from autoshard.compiler import backend, cache_key
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    from gpt import GPT, GPTConfig
+
+    if load:
+        torch.compiler.load_cache_artifacts(Path(load).read_bytes())
+    keys: list[str] = []
+    real = cache_key.cache_key
+
+    def recording(*args: Any) -> str:
+        keys.append(real(*args))
+        return keys[-1]
+
+    backend.cache_key = recording
+    fake_process_group(0, world)
+    try:
+        torch.manual_seed(0)
+        model = autoshard.shard(GPT(GPTConfig(n_layer=2, **WIDTH)))
+        compiled = torch.compile(model, backend="autoshard", options={"compiler": "inductor", **options})
+        idx = torch.randint(0, WIDTH["vocab_size"], (2, WIDTH["block_size"]), generator=torch.Generator().manual_seed(1))
+        loss = compiled(idx, idx)
+        loss.backward()
+        grads = [p.grad.to_local().sum().item() for p in model.parameters() if p.grad is not None]
+    finally:
+        dist.destroy_process_group()
+    if save:
+        Path(save).write_bytes(torch.compiler.save_cache_artifacts()[0])
+    return {"counts": cache_counts(), "keys": keys, "loss": loss.item(), "grads": grads}
+
+
+def _run(cache: Path, options: dict | None = None, world: int = 2, save: Path | None = None,
+         load: Path | None = None) -> dict[str, Any]:
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache), "PYTHONWARNINGS": "ignore"}
+    for var in ("TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCHINDUCTOR_AUTOGRAD_CACHE"):
+        env.pop(var, None)  # on, as PyTorch ships them (conftest.py turns them off for the other tests)
+    args = json.dumps([options or {}, world, save and str(save), load and str(load)])
+    done = subprocess.run([sys.executable, __file__, args], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def cold_then_warm(tmp_path_factory) -> tuple[Path, dict, dict]:
+    cache = tmp_path_factory.mktemp("inductor_cache")
+    return cache, _run(cache), _run(cache)
+
+
+def test_a_second_process_hits_both_caches_and_computes_the_same_step(cold_then_warm):
+    _, cold, warm = cold_then_warm
+    assert cold["counts"]["autograd_hit"] == 0 and cold["counts"]["autograd_miss"] == 1
+    assert warm["counts"]["autograd_hit"] == 1 and warm["counts"]["autograd_miss"] == 0
+    assert warm["counts"]["fxgraph_hit"] >= 1 and warm["counts"]["fxgraph_miss"] == 0
+    assert warm["keys"] == cold["keys"]  # autoshard's key: no process-order state in it
+    assert warm["loss"] == cold["loss"] and warm["grads"] == cold["grads"]
+
+
+@pytest.mark.parametrize("change", [
+    {"options": {"bucket_mb": 1.0}},
+    {"options": {"memory_budget_gb": 0.001}},
+    {"options": {"profile": "h100"}},
+    {"world": 4},
+], ids=["option", "budget", "profile", "world_size"])
+def test_what_changes_the_plan_misses(cold_then_warm, change):
+    cache, cold, _ = cold_then_warm
+    changed = _run(cache, **change)
+    assert changed["counts"]["autograd_hit"] == 0 and changed["counts"]["autograd_miss"] == 1
+    assert changed["keys"] != cold["keys"]
+
+
+def test_artifacts_saved_by_one_process_warm_another(tmp_path):
+    artifacts = tmp_path / "artifacts.bin"
+    cold = _run(tmp_path / "one", save=artifacts)
+    warm = _run(tmp_path / "two", load=artifacts)  # an empty cache directory of its own
+    assert warm["counts"]["autograd_hit"] == 1 and warm["counts"]["autograd_miss"] == 0
+    assert warm["loss"] == cold["loss"] and warm["grads"] == cold["grads"]
+
+
+if __name__ == "__main__":
+    print(json.dumps(_child(*json.loads(sys.argv[1]))))
