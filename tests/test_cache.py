@@ -15,6 +15,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 WIDTH = dict(n_embd=32, n_head=2, block_size=16, vocab_size=64)
+# Set, they force the caches on or off whatever the config says; conftest.py turns them off
+# for the other tests. Here they are unset: the caches are on, as PyTorch ships them.
+_CACHE_SWITCHES = ("TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCHINDUCTOR_AUTOGRAD_CACHE")
 
 
 def _child(options: dict, world: int, save: str | None, load: str | None) -> dict[str, Any]:
@@ -58,8 +61,8 @@ def _child(options: dict, world: int, save: str | None, load: str | None) -> dic
 def _run(cache: Path, options: dict | None = None, world: int = 2, save: Path | None = None,
          load: Path | None = None) -> dict[str, Any]:
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache), "PYTHONWARNINGS": "ignore"}
-    for var in ("TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCHINDUCTOR_AUTOGRAD_CACHE"):
-        env.pop(var, None)  # on, as PyTorch ships them (conftest.py turns them off for the other tests)
+    for var in _CACHE_SWITCHES:
+        env.pop(var, None)
     args = json.dumps([options or {}, world, save and str(save), load and str(load)])
     done = subprocess.run([sys.executable, __file__, args], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
@@ -100,6 +103,43 @@ def test_artifacts_saved_by_one_process_warm_another(tmp_path):
     warm = _run(tmp_path / "two", load=artifacts)  # an empty cache directory of its own
     assert warm["counts"]["autograd_hit"] == 1 and warm["counts"]["autograd_miss"] == 0
     assert warm["loss"] == cold["loss"] and warm["grads"] == cold["grads"]
+
+
+def _mixed(cache_root: str) -> dict[str, Any]:
+    """A training step on this gloo rank, with this rank's own cache directory."""
+    import torch
+
+    import autoshard
+    from autoshard._compat.caches import cache_counts
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    import torch.distributed as dist
+
+    from gpt import GPT, GPTConfig
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache_root, f"rank{dist.get_rank()}")
+    torch.manual_seed(0)
+    model = autoshard.shard(GPT(GPTConfig(n_layer=1, **WIDTH)))
+    compiled = torch.compile(model, backend="autoshard", options={"compiler": "inductor"})
+    idx = torch.randint(0, WIDTH["vocab_size"], (2, WIDTH["block_size"]), generator=torch.Generator().manual_seed(1))
+    loss = compiled(idx, idx)
+    loss.backward()
+    return {"counts": cache_counts(), "loss": loss.item()}
+
+
+def test_ranks_whose_compile_hits_run_with_ranks_whose_compile_misses(tmp_path, monkeypatch):
+    """Rank 0's cache is warm, rank 1's empty: a plan exchange on the misses only would leave
+    rank 1 waiting for rank 0's plan; both exchange their cache key instead, and train."""
+    from autoshard.tools.launch import run_ranks
+
+    for var in _CACHE_SWITCHES:  # the ranks inherit this environment
+        monkeypatch.delenv(var, raising=False)
+    warm = tmp_path / "warm"
+    run_ranks(2, _mixed, str(warm), timeout=900)
+    (warm / "rank1").rename(tmp_path / "old_rank1")  # rank 1 starts cold
+    hit, missed = run_ranks(2, _mixed, str(warm), timeout=900)
+    assert hit["counts"]["autograd_hit"] == 1 and missed["counts"]["autograd_miss"] == 1
+    assert hit["loss"] == missed["loss"]
 
 
 if __name__ == "__main__":
