@@ -23,13 +23,12 @@ import torch.distributed as dist
 from torch import fx
 
 import autoshard
+import autoshard.passes as autoshard_passes
 from autoshard.compiler.cost_model import DeviceProfile
 from autoshard.compiler.ghosts import UNSHARD_ALL
 from autoshard.compiler.options import Options
 from autoshard.passes.graph_utils import group_backend, group_ranks
 from autoshard.runtime.batched import calls_of
-
-_PACKAGES = ("autoshard", "passes")  # autoshard's code: a changed pass must miss
 
 
 def _version() -> str:
@@ -43,10 +42,11 @@ def _version() -> str:
 def code_hash() -> str:
     """A hash of autoshard's source files (the package and its passes)."""
     digest = hashlib.sha256()
-    root = Path(autoshard.__file__).resolve().parent.parent
-    for package in _PACKAGES:
-        for path in sorted((root / package).rglob("*.py")):
-            digest.update(str(path.relative_to(root)).encode())
+    # The passes are a package of their own in a checkout (passes/), mapped to autoshard.passes.
+    for package in (autoshard, autoshard_passes):
+        folder = Path(package.__file__).resolve().parent
+        for path in sorted(folder.rglob("*.py")):
+            digest.update(f"{package.__name__}/{path.relative_to(folder)}".encode())
             digest.update(path.read_bytes())
     return digest.hexdigest()[:20]
 
