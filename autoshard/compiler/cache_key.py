@@ -22,7 +22,6 @@ import torch
 import torch.distributed as dist
 from torch import fx
 
-import autoshard
 import autoshard.passes as autoshard_passes
 from autoshard.compiler.cost_model import DeviceProfile
 from autoshard.compiler.ghosts import UNSHARD_ALL
@@ -43,10 +42,10 @@ def code_hash() -> str:
     """A hash of autoshard's source files (the package and its passes)."""
     digest = hashlib.sha256()
     # The passes are a package of their own in a checkout (passes/), mapped to autoshard.passes.
-    for package in (autoshard, autoshard_passes):
-        folder = Path(package.__file__).resolve().parent
+    folders = {"autoshard": Path(__file__).resolve().parents[1], "autoshard.passes": Path(autoshard_passes.__file__).resolve().parent}
+    for name, folder in folders.items():
         for path in sorted(folder.rglob("*.py")):
-            digest.update(f"{package.__name__}/{path.relative_to(folder)}".encode())
+            digest.update(f"{name}/{path.relative_to(folder)}".encode())
             digest.update(path.read_bytes())
     return digest.hexdigest()[:20]
 
