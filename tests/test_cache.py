@@ -105,6 +105,46 @@ def test_artifacts_saved_by_one_process_warm_another(tmp_path):
     assert warm["loss"] == cold["loss"] and warm["grads"] == cold["grads"]
 
 
+def _batch_key(other_first: bool) -> str:
+    from autoshard.runtime import batched, ops
+
+    other = [(ops.UNSHARD, ("0", 2, 8, True, "v", None, None, None, "", 1))]
+    for calls in ([other] if other_first else []) + [[(ops.UNSHARD, ("0", 2, 4, True, "w", None, None, None, "", 1))]]:
+        key = batched.key_for(calls)
+    return key
+
+
+def test_a_batch_is_named_by_its_calls_not_by_what_the_process_made_before():
+    from autoshard.tools.launch import run_ranks
+
+    assert _batch_key(False) == _batch_key(True)  # this process: the same key, made first or second
+    assert run_ranks(1, _batch_key, True, timeout=300) == [_batch_key(False)]  # another process
+
+
+def test_the_key_changes_with_what_changes_the_plan():
+    import torch.distributed as dist
+    from torch import fx
+
+    from autoshard._compat import fake_process_group
+    from autoshard.compiler.cache_key import cache_key
+    from autoshard.compiler.cost_model import get_profile
+    from autoshard.compiler.options import Options
+
+    gm, cpu = fx.GraphModule({}, fx.Graph()), get_profile("cpu")
+    keys = {}
+    for world in (2, 4):
+        fake_process_group(0, world)
+        try:
+            keys[world] = cache_key(gm, Options(), cpu)
+            if world == 2:
+                changed = [cache_key(gm, Options(bucket_mb=1.0), cpu), cache_key(gm, Options(memory_budget_gb=1.0), cpu),
+                           cache_key(gm, Options(schedule="fsdp2"), cpu), cache_key(gm, Options(), get_profile("h100"))]
+                assert cache_key(gm, Options(debug_dir="somewhere"), cpu) == keys[2]  # what is written, not compiled
+        finally:
+            dist.destroy_process_group()
+    assert len({keys[2], keys[4], *changed}) == 6
+
+
 def _mixed(cache_root: str) -> dict[str, Any]:
     """A training step on this gloo rank, with this rank's own cache directory."""
     import torch
