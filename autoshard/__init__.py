@@ -9,6 +9,7 @@ from autoshard.compiler.backend import autoshard_backend
 from autoshard.compiler.dump import register_report_writer
 from autoshard.compiler.logs import register_timeline
 from autoshard.runtime import checkpoint, errors, ops
+from autoshard.runtime.batch_shares import batch_sizes, set_batch_shares, split_batch
 from autoshard.runtime.checkpoint import full_state_dict, load, save
 from autoshard.runtime.errors import (
     AutoshardError,
@@ -29,10 +30,10 @@ from autoshard.tools.plan import Plan, plan
 from autoshard.tools.report import Report, timeline, write_report
 
 __all__ = [
-    "AutoshardError", "Cluster", "InflightCapError", "MixedPrecision", "NodeGroup", "OverBudgetError", "Plan", "PlanMismatchError",
-    "RankFailedError", "Report", "ShardLayout", "UsageError", "autoshard_backend", "checkpoint", "errors", "explain",
-    "explain_graphs", "full_state_dict", "is_sharded", "launch", "load", "materialize", "ops", "plan", "save", "shard",
-    "shards_in_place",
+    "AutoshardError", "Cluster", "InflightCapError", "MixedPrecision", "NodeGroup", "OverBudgetError", "Plan",
+    "PlanMismatchError", "RankFailedError", "Report", "ShardLayout", "UsageError", "autoshard_backend", "batch_sizes",
+    "checkpoint", "errors", "explain", "explain_graphs", "full_state_dict", "is_sharded", "launch", "load", "materialize",
+    "ops", "plan", "save", "set_batch_shares", "shard", "shards_in_place", "split_batch",
 ]
 
 # Module paths users import (``autoshard.launch.run_ranks``, ``import autoshard.checkpoint``, ``autoshard.errors``)

@@ -58,18 +58,18 @@ class GraphBreak(MLP):
         return F.mse_loss(self.out(F.gelu(self.fc2(h))), y)
 
 
-def _regression_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _regression_batch(step: int, size: int = GLOBAL_BATCH) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 + step)
-    return torch.randn(GLOBAL_BATCH, 16, generator=g), torch.randn(GLOBAL_BATCH, 1, generator=g)
+    return torch.randn(size, 16, generator=g), torch.randn(size, 1, generator=g)
 
 
 def _gpt() -> GPT:
     return GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32))
 
 
-def _token_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _token_batch(step: int, size: int = GLOBAL_BATCH) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(2000 + step)
-    tokens = torch.randint(0, 64, (GLOBAL_BATCH, 17), generator=g)
+    tokens = torch.randint(0, 64, (size, 17), generator=g)
     return tokens[:, :-1], tokens[:, 1:]
 
 
@@ -112,7 +112,7 @@ def _checkpointed_gpt() -> GPT:
     return model
 
 
-MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[int], tuple[torch.Tensor, torch.Tensor]]]] = {
+MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[..., tuple[torch.Tensor, torch.Tensor]]]] = {
     "mlp": (MLP, _regression_batch),
     "gpt": (_gpt, _token_batch),
     "frozen": (FrozenEncoder, _regression_batch),
@@ -128,5 +128,5 @@ def build(name: str, seed: int = 0) -> nn.Module:
     return MODELS[name][0]()
 
 
-def batch(name: str, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return MODELS[name][1](step)
+def batch(name: str, step: int, size: int = GLOBAL_BATCH) -> tuple[torch.Tensor, torch.Tensor]:
+    return MODELS[name][1](step, size)

@@ -40,8 +40,13 @@ def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
     return {f"{names[id(p)]}.{k}": _full(t) for p, state in optimizer.state.items() for k, t in state.items()}
 
 
-def _global_mean(value: torch.Tensor) -> float:
+def _global_mean(value: torch.Tensor, model: nn.Module | None = None) -> float:
+    """The whole batch's loss from each rank's ``value``: their mean, weighted by the ranks'
+    batch shares when ``model`` has them."""
     value = value.detach().float().clone()
+    shares = autoshard.runtime.batch_shares.shares_of(model) if model is not None else None
+    if shares is not None:
+        value *= float(shares[dist.get_rank()]) * dist.get_world_size()
     dist.all_reduce(value)
     return value.item() / dist.get_world_size()
 
@@ -51,9 +56,20 @@ def _compile(model: nn.Module, compiler: str, schedule: str = "autoshard") -> nn
     return model if compiler == "uncompiled" else torch.compile(model, backend="autoshard", options=options)
 
 
-def _rank_slice(micro: int, micro_batches: int) -> slice:
+def _mine(model: nn.Module, x: torch.Tensor, y: torch.Tensor, micro: int, micro_batches: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's part of micro-batch ``micro`` of the global batch ``(x, y)``: its share if
+    ``model`` has batch shares, else an equal slice."""
+    per_micro = x.shape[0] // micro_batches
+    whole = slice(micro * per_micro, (micro + 1) * per_micro)
+    if autoshard.runtime.batch_shares.shares_of(model) is not None:
+        return autoshard.split_batch((x[whole], y[whole]), model)
+    mine = _rank_slice(micro, micro_batches, x.shape[0])
+    return x[mine], y[mine]
+
+
+def _rank_slice(micro: int, micro_batches: int, global_batch: int = GLOBAL_BATCH) -> slice:
     """This rank's rows of micro-batch ``micro`` of the global batch."""
-    per_micro = GLOBAL_BATCH // micro_batches
+    per_micro = global_batch // micro_batches
     per_rank = per_micro // dist.get_world_size()
     start = micro * per_micro + dist.get_rank() * per_rank
     return slice(start, start + per_rank)
@@ -70,13 +86,17 @@ def train_pair(
     micro_batches: int = 1,
     max_norm: float | None = None,
     trainable: Callable[[int, nn.Module], None] | None = None,
+    shares: list[float] | None = None,
+    global_batch: int = GLOBAL_BATCH,
 ) -> dict[str, Any]:
     """Train ``shard(copy of model name)`` next to the model itself for ``steps`` steps.
 
     ``trainable(step, model)``: called on both models before each step, to freeze or unfreeze
     parameters (the optimizers then hold every parameter; AdamW skips those without a gradient).
     ``micro_batches`` > 1: gradient accumulation, synchronised on the last micro-batch only
-    (``set_requires_gradient_sync``); ``max_norm``: both clip with ``clip_grad_norm_``.
+    (``set_requires_gradient_sync``); ``max_norm``: both clip with ``clip_grad_norm_``;
+    ``shares``: each rank's share of the (``global_batch``-sample) batch
+    (``autoshard.set_batch_shares``), each rank fed ``autoshard.split_batch``'s slice.
     Returns the largest loss, parameter and gradient-norm differences seen, the smallest
     reference norm over ``max_norm`` (clipping was active if above 1), the number of graphs
     Dynamo compiled and what this rank stores (:func:`stored_bytes`, after the last step).
@@ -85,6 +105,8 @@ def train_pair(
     counters.clear()
     reference = build(name)
     sharded = shard(copy.deepcopy(reference))
+    if shares is not None:
+        autoshard.set_batch_shares(sharded, shares)
     run = _compile(sharded, compiler, schedule)
     if trainable is None:
         ref_opt, opt = _optimizer(optimizer, reference), _optimizer(optimizer, sharded)
@@ -95,19 +117,18 @@ def train_pair(
         if trainable is not None:
             trainable(step, reference)
             trainable(step, sharded)
-        x, y = batch(name, step)
+        x, y = batch(name, step, global_batch)
         ref_loss = loss = 0.0
         for micro in range(micro_batches):
-            whole = slice(micro * GLOBAL_BATCH // micro_batches, (micro + 1) * GLOBAL_BATCH // micro_batches)
+            whole = slice(micro * global_batch // micro_batches, (micro + 1) * global_batch // micro_batches)
             part = reference(x[whole], y[whole]) / micro_batches
             part.backward()
             ref_loss += part.item()
             if micro_batches > 1:
                 sharded.set_requires_gradient_sync(micro == micro_batches - 1)
-            mine = _rank_slice(micro, micro_batches)
-            part = run(x[mine], y[mine]) / micro_batches
+            part = run(*_mine(sharded, x, y, micro, micro_batches)) / micro_batches
             part.backward()
-            loss += _global_mean(part)
+            loss += _global_mean(part, sharded)
         if max_norm is not None:
             ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm)
             norm = torch.nn.utils.clip_grad_norm_(sharded.parameters(), max_norm)
@@ -133,7 +154,8 @@ def _in_bf16(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor
 
 
 def train_mixed_precision(
-    name: str, shard: Callable[[nn.Module], nn.Module], *, optimizer: str = "adamw", steps: int = 3
+    name: str, shard: Callable[[nn.Module], nn.Module], *, optimizer: str = "adamw", steps: int = 3,
+    shares: list[float] | None = None,
 ) -> dict[str, Any]:
     """Train ``shard(copy of model name)`` (sharded with bfloat16 compute, float32 reduce)
     next to three single-process references: bfloat16 on the whole batch, float32 on the
@@ -142,14 +164,21 @@ def train_mixed_precision(
 
     Returns the largest differences: to the per-rank emulation (``emulated``), to the bf16
     reference (``loss``, ``params``), between the bf16 and fp32 references (``bf16_loss``,
-    ``bf16_params``), the loss's bf16 spacing (``loss_ulp``), and the dtypes seen.
+    ``bf16_params``), the loss's bf16 spacing (``loss_ulp``), and the dtypes seen. With
+    ``shares``, each rank's slice is its share and the emulation weights slice r's loss by
+    world size times its share (then averages, as the reductions do).
     """
     torch._dynamo.reset()
     low, full, emulated = build(name), build(name), build(name)
     sharded = shard(build(name))
+    world = dist.get_world_size()
+    sizes = [GLOBAL_BATCH // world] * world
+    if shares is not None:
+        autoshard.set_batch_shares(sharded, shares)
+        sizes = autoshard.batch_sizes(shares, GLOBAL_BATCH)
+    starts = [sum(sizes[:r]) for r in range(world)]
     run = _compile(sharded, "aot_eager")
     opts = [_optimizer(optimizer, m) for m in (low, full, emulated, sharded)]
-    world = dist.get_world_size()
     found = {k: 0.0 for k in ("emulated", "loss", "params", "bf16_loss", "bf16_params", "loss_ulp")}
     for step in range(steps):
         x, y = batch(name, step)
@@ -158,15 +187,15 @@ def train_mixed_precision(
         full_loss = full(x, y)
         full_loss.backward()
         for r in range(world):
-            rows = slice(r * GLOBAL_BATCH // world, (r + 1) * GLOBAL_BATCH // world)
-            (_in_bf16(emulated, x[rows], y[rows]) / world).backward()  # / world: exact in bf16
-        mine = _rank_slice(0, 1)
-        loss = run(x[mine], y[mine])
+            rows = slice(starts[r], starts[r] + sizes[r])
+            weight = world * sizes[r] / GLOBAL_BATCH  # 1 without shares
+            (_in_bf16(emulated, x[rows], y[rows]) * weight / world).backward()  # / world: exact in bf16
+        loss = run(*_mine(sharded, x, y, 0, 1))
         loss.backward()
         for o in opts:
             o.step()
             o.zero_grad()
-        found["loss"] = max(found["loss"], abs(_global_mean(loss) - low_loss.item()))
+        found["loss"] = max(found["loss"], abs(_global_mean(loss, sharded) - low_loss.item()))
         found["loss_ulp"] = max(found["loss_ulp"], torch.finfo(BF16).eps * 2.0 ** torch.frexp(low_loss.float()).exponent.item() / 2)
         found["bf16_loss"] = max(found["bf16_loss"], abs(low_loss.item() - full_loss.item()))
         found["params"] = max(found["params"], param_error(sharded, low))

@@ -11,6 +11,7 @@ import ast
 import functools
 import hashlib
 import itertools
+import pickle
 import time
 from datetime import timedelta
 from typing import Callable, TypeVar
@@ -29,6 +30,7 @@ EXCHANGE_TIMEOUT = timedelta(minutes=5)
 # Where a rank that failed compiling says so: its peers stop waiting for its plan at once.
 _COMPILE_FAILED = "autoshard/compile_failed"
 F = TypeVar("F", bound=Callable)
+T = TypeVar("T")
 
 
 def reports_compile_failure(compile_step: F) -> F:
@@ -131,6 +133,25 @@ def first_difference(plans: dict[int, list[tuple]]) -> str:
         if len(at) > 1:
             return f"event {i} of the plan: " + "; ".join(f"ranks {ranks} have {what}" for what, ranks in at.items())
     return "the plans hold the same events"
+
+
+def rank0s(decision: T, what: str) -> T:
+    """Rank 0's ``decision`` on every rank (every rank calls this, in the same order).
+
+    The passes decide from shapes and the cost model; ranks given different numbers of samples
+    (batch shares) see different activation sizes and compute times, and would bucket and
+    order their collectives differently. Taking one rank's decisions for the graph every rank
+    has (same structure, different batch) keeps their plans equal. Exchanged through the
+    store, as the plans are.
+    """
+    if not multi_rank():
+        return decision
+    key = f"autoshard/decision/{next(_exchanges)}"
+    store = default_store()
+    if dist.get_rank() == 0:
+        store.set(key, pickle.dumps(decision))
+    _wait_for_plans([key], what)
+    return pickle.loads(store.get(key))
 
 
 def check_ranks_agree(gm: fx.GraphModule, what: str) -> None:

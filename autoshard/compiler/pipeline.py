@@ -17,7 +17,7 @@ from torch import fx
 
 from autoshard._compat import save_random_ops_in_checkpoints
 from autoshard.compiler.bucket_plan import choose_bucket_mb
-from autoshard.compiler.consistency import check_ranks_agree
+from autoshard.compiler.consistency import check_ranks_agree, rank0s
 from autoshard.compiler.cost_model import GLOO_RELEASE_LATE
 from autoshard.compiler.logs import phase
 from autoshard.compiler.options import SCHEDULES
@@ -35,7 +35,7 @@ from autoshard.passes import (
     unbatch_annotations,
 )
 from autoshard.passes.graph_utils import is_copy, mib_to_bytes
-from autoshard.passes.schedule import PLAN
+from autoshard.passes.schedule import PLAN, apply_plan
 from autoshard.passes.schedule_config import CollectiveMemory, ScheduleConfig
 
 # What a graph holds, as passes require and provide it.
@@ -132,7 +132,12 @@ def _bucket(gm: fx.GraphModule, ctx: Context) -> None:
         timing = replace(timing, compute_time=functools.cache(timing.compute_time))
         schedule = lambda g, b: _schedule(g, ctx, b, only_plan=True)  # noqa: E731
         ctx.bucket_mb, ctx.plan, chosen = choose_bucket_mb(gm, schedule, _budget(ctx), timing, _opaque_copies(opts))
-        gm.graph = chosen.graph
+        agreed = rank0s(ctx.bucket_mb, ctx.side)  # ranks with other batch shares may choose otherwise
+        if agreed == ctx.bucket_mb:
+            gm.graph = chosen.graph
+        else:
+            ctx.bucket_mb, ctx.plan = agreed, None
+            bucket_collectives(gm, agreed, _opaque_copies(opts))
     else:
         bucket_collectives(gm, ctx.bucket_mb, _opaque_copies(opts))
 
@@ -145,6 +150,10 @@ def _opaque_copies(opts: Any) -> bool:
 
 def _schedule_overlap(gm: fx.GraphModule, ctx: Context) -> None:
     _schedule(gm, ctx, _budget(ctx), ctx.plan)
+    plan = gm.meta[PLAN]
+    agreed = rank0s(plan, ctx.side)  # the same for every rank, whatever its batch share
+    if (agreed.distances, agreed.reduces_in_flight, agreed.blocked) != (plan.distances, plan.reduces_in_flight, plan.blocked):
+        apply_plan(gm, agreed)
     if ctx.bucket_mb is not None and ctx.options.bucket_mb is None:  # the planner split the buckets
         plan = gm.meta[PLAN]
         gm.meta[PLAN] = replace(plan, forced=(f"buckets split to {ctx.bucket_mb:.3g} MiB at most",) + plan.forced)

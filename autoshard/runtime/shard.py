@@ -29,6 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Placement
 
 from autoshard.runtime import grad_sync, leaves
+from autoshard.runtime.batch_shares import normalize, set_batch_shares
 from autoshard.runtime.errors import UsageError
 from autoshard.runtime.fail_together import check_same_on_all_ranks
 from autoshard.runtime.layout import ShardLayout, layout, to_dtensor
@@ -169,6 +170,7 @@ def shard(
     strategy: str = "full",
     mixed_precision: MixedPrecision | None = None,
     plan: Any = None,
+    batch_shares: Any = None,
 ) -> nn.Module:
     """Shard ``module``'s parameters in place across the ranks of ``mesh`` and return it.
 
@@ -199,6 +201,9 @@ def shard(
             :class:`ShardLayout`): its strategy and precision
             on the mesh it describes, built over every rank (instead of ``mesh``, ``strategy``
             and ``mixed_precision``).
+        batch_shares: each rank's share of the global batch, one positive number per rank
+            (sample counts such as ``[3, 1]``, or fractions), or an ``autoshard.Plan``
+            carrying ``batch_shares``: see :func:`autoshard.set_batch_shares`. Default: equal.
 
     Build the optimizer after calling ``shard`` (as with FSDP2): it must see the sharded
     parameters. Parameters shared by several modules (tied weights) are sharded once.
@@ -222,7 +227,11 @@ def shard(
             )
         _reclass(module)
         setattr(module, _SHARDED, True)
+        if batch_shares is not None:
+            set_batch_shares(module, batch_shares)
         return module
+    if batch_shares is not None:  # refused before anything changes
+        normalize(batch_shares, dist.get_world_size(), "autoshard.shard")
     mesh = mesh if mesh is not None else _default_mesh(module)
     if reshard_after_forward is None and strategy not in ("full", "hybrid"):
         reshard_after_forward = False  # None stays: the lowering keeps what the backward needs first
@@ -233,6 +242,8 @@ def shard(
     sharded = {key: nn.Parameter(to_dtensor(param, mesh, placements), requires_grad=param.requires_grad)
                for key, (param, placements) in layouts.items()}
     _install(module, owners, sharded, mixed_precision)
+    if batch_shares is not None:
+        set_batch_shares(module, batch_shares)
     return module
 
 
