@@ -1,0 +1,161 @@
+"""Mixed clusters, measured: equal batch split vs a speed-proportional split, one rank slowed.
+
+    python bench/hetero.py                      # 2 and 4 gloo ranks, aot_eager, ~3 min on 2 quiet cores
+    python bench/hetero.py --worlds 2 --rounds 3 --compiler uncompiled
+    python bench/hetero.py --shares 2,1         # a given split (e.g. a plan's) instead of the timed one
+
+Emulating a slower device on a CPU box with one kind of core: every rank is pinned to its own
+core (``os.sched_setaffinity``; rank r on the r-th usable core, modulo their number) and runs
+one thread; a competing busy process (a Python spin loop) is pinned to the slow rank's core,
+so the scheduler gives the slow rank about half that core: it computes at about half speed,
+which is the A100-next-to-H100 ratio for dense matmuls. With 2 cores and 4 ranks, two ranks
+share each core (ranks 0 and 2 on the first, 1 and 3 on the second): each runs at half a core,
+and the busy process on the first core leaves ranks 0 and 2 a third of it each, so two of
+the four ranks run at about 2/3 of the others' speed. Waiting in a gloo collective sleeps,
+so a rank that waits gives its core to the ranks that share it.
+
+Per world size, in one run and in fresh processes: each rank times the model's forward and
+backward on a fixed local batch, alone (no collective), under the same pinning and load:
+its speed. The planned split gives each rank samples in proportion to its speed
+(``autoshard.batch_sizes``); the equal split gives every rank the same. Then the sharded,
+compiled model (``autoshard.shard`` with ``batch_shares``) trains ``--rounds`` rounds of
+``--steps`` steps, alternating equal and planned rounds (so load from anything else on the
+machine falls on both alike), and the median step of each is printed with their ratio.
+Training under each split is exact (the gradient reduction weights each rank by its share),
+so the ratio is the time saved, nothing traded. Target at 2 ranks, one rank at half speed:
+planned <= 0.75x equal (ideal 2/3: the slow rank's half-speed share of the batch sets the step).
+"""
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import autoshard
+from autoshard.tools.launch import run_ranks
+
+WIDTH, LAYERS, GLOBAL_BATCH = 768, 4, 96
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    layers = [m for _ in range(LAYERS) for m in (nn.Linear(WIDTH, WIDTH), nn.GELU())]
+    return nn.Sequential(*layers, nn.Linear(WIDTH, 1))
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(GLOBAL_BATCH, WIDTH, generator=g), torch.randn(GLOBAL_BATCH, 1, generator=g)
+
+
+def _cores() -> list[int]:
+    return sorted(os.sched_getaffinity(0))
+
+
+def _pin(rank: int) -> int:
+    cores = _cores()
+    core = cores[rank % len(cores)]
+    os.sched_setaffinity(0, {core})
+    torch.set_num_threads(1)
+    return core
+
+
+def _spin(core: int) -> None:
+    os.sched_setaffinity(0, {core})
+    while True:
+        pass
+
+
+def _speed(samples: int = 32, repeats: int = 5) -> float:
+    """Samples per second of forward and backward on this rank, alone: its speed."""
+    model, loss = _model(), nn.MSELoss()
+    x, y = _batch(0)
+    x, y = x[:samples], y[:samples]
+    times = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        loss(model(x), y).backward()
+        times.append(time.perf_counter() - start)
+    return samples / statistics.median(times[1:])
+
+
+def _train(compiler: str, rounds: int, steps: int, given: list[float] | None) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    core = _pin(rank)
+    speed = _speed()
+    speeds = [torch.zeros(1) for _ in range(world)]
+    dist.all_gather(speeds, torch.tensor([speed]))
+    speeds = [s.item() for s in speeds]
+    splits = {"equal": [GLOBAL_BATCH // world] * world,
+              "planned": autoshard.batch_sizes(given or speeds, GLOBAL_BATCH)}
+    model = autoshard.shard(_model(), batch_shares=splits["equal"])
+    run = model if compiler == "uncompiled" else torch.compile(model, backend="autoshard", options={"compiler": compiler},
+                                                               dynamic=False)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    loss_fn = nn.MSELoss()
+
+    def step(i: int) -> None:
+        x, y = autoshard.split_batch(_batch(i), model)
+        loss_fn(run(x), y).backward()  # the plain mean over this rank's samples: weighted by its share
+        opt.step()
+        opt.zero_grad()
+
+    found: dict[str, list[float]] = {name: [] for name in splits}
+    for name, sizes in splits.items():  # warm up: compile both shapes
+        autoshard.set_batch_shares(model, sizes)
+        step(0)
+    for r in range(rounds):
+        for name, sizes in splits.items():
+            autoshard.set_batch_shares(model, sizes)
+            step(0)
+            dist.barrier()
+            start = time.perf_counter()
+            for i in range(steps):
+                step(i + 1)
+            dist.barrier()
+            found[name].append((time.perf_counter() - start) / steps)
+    return {"core": core, "speed": speed, "speeds": speeds, "splits": splits,
+            "step": {name: statistics.median(times) for name, times in found.items()}}
+
+
+def _measure(world: int, args: argparse.Namespace) -> dict:
+    cores = _cores()
+    hog = mp.get_context("spawn").Process(target=_spin, args=(cores[0],), daemon=True)  # rank 0's core
+    hog.start()
+    try:
+        given = [float(s) for s in args.shares.split(",")] if args.shares and len(args.shares.split(",")) == world else None
+        return run_ranks(world, _train, args.compiler, args.rounds, args.steps, given, timeout=1800)[0]
+    finally:
+        hog.kill()
+        hog.join()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--worlds", default="2,4", help="world sizes, comma-separated")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--compiler", default="aot_eager", choices=["aot_eager", "inductor", "uncompiled"])
+    parser.add_argument("--shares", default=None, help="the planned split for the world size with as many entries (default: timed)")
+    args = parser.parse_args()
+    cores = _cores()
+    print(f"torch {torch.__version__}, cores {cores}, busy process on core {cores[0]}, MLP {LAYERS}x{WIDTH}, "
+          f"global batch {GLOBAL_BATCH}, {args.compiler}, {args.rounds} rounds x {args.steps} steps per split")
+    print(f"{'ranks':>5}  {'speed (samples/s per rank)':<32} {'planned split':<18} {'equal ms':>9} {'planned ms':>11} {'ratio':>6}")
+    for world in (int(w) for w in args.worlds.split(",")):
+        started = time.perf_counter()
+        found = _measure(world, args)
+        speeds = ", ".join(f"{s:.0f}" for s in found["speeds"])
+        equal, planned = found["step"]["equal"], found["step"]["planned"]
+        print(f"{world:>5}  {speeds:<32} {str(found['splits']['planned']):<18} {equal * 1e3:>9.1f} {planned * 1e3:>11.1f} "
+              f"{planned / equal:>6.2f}   ({time.perf_counter() - started:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
