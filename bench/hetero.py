@@ -40,7 +40,7 @@ from torch import nn
 import autoshard
 from autoshard.tools.launch import run_ranks
 
-WIDTH, LAYERS, GLOBAL_BATCH = 768, 4, 96
+WIDTH, LAYERS, GLOBAL_BATCH = 1024, 4, 384  # compute-bound: the batch, not the collectives, sets the step
 
 
 def _model() -> nn.Module:
@@ -72,23 +72,26 @@ def _spin(core: int) -> None:
         pass
 
 
-def _speed(samples: int = 32, repeats: int = 5) -> float:
-    """Samples per second of forward and backward on this rank, alone: its speed."""
+def _speed(samples: int, seconds: float = 1.5) -> float:
+    """Samples per second of forward and backward on this rank, alone (no collective), the
+    median over ``seconds`` of repeats: its speed."""
     model, loss = _model(), nn.MSELoss()
     x, y = _batch(0)
     x, y = x[:samples], y[:samples]
-    times = []
-    for _ in range(repeats + 1):
+    loss(model(x), y).backward()  # warm up
+    times: list[float] = []
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end or len(times) < 3:
         start = time.perf_counter()
         loss(model(x), y).backward()
         times.append(time.perf_counter() - start)
-    return samples / statistics.median(times[1:])
+    return samples / statistics.median(times)
 
 
 def _train(compiler: str, rounds: int, steps: int, given: list[float] | None) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     core = _pin(rank)
-    speed = _speed()
+    speed = _speed(GLOBAL_BATCH // world)  # on the equal split's local batch
     speeds = [torch.zeros(1) for _ in range(world)]
     dist.all_gather(speeds, torch.tensor([speed]))
     speeds = [s.item() for s in speeds]
@@ -126,14 +129,17 @@ def _train(compiler: str, rounds: int, steps: int, given: list[float] | None) ->
 
 def _measure(world: int, args: argparse.Namespace) -> dict:
     cores = _cores()
-    hog = mp.get_context("spawn").Process(target=_spin, args=(cores[0],), daemon=True)  # rank 0's core
-    hog.start()
+    # Forked: spinning at once (a spawned one would still be importing when the ranks time themselves).
+    hog = mp.get_context("fork").Process(target=_spin, args=(cores[0],), daemon=True)  # rank 0's core
+    if args.slow:
+        hog.start()
     try:
         given = [float(s) for s in args.shares.split(",")] if args.shares and len(args.shares.split(",")) == world else None
         return run_ranks(world, _train, args.compiler, args.rounds, args.steps, given, timeout=1800)[0]
     finally:
-        hog.kill()
-        hog.join()
+        if args.slow:
+            hog.kill()
+            hog.join()
 
 
 def main() -> None:
@@ -142,10 +148,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--compiler", default="aot_eager", choices=["aot_eager", "inductor", "uncompiled"])
+    parser.add_argument("--no-slow", dest="slow", action="store_false", help="no busy process: the control")
     parser.add_argument("--shares", default=None, help="the planned split for the world size with as many entries (default: timed)")
     args = parser.parse_args()
     cores = _cores()
-    print(f"torch {torch.__version__}, cores {cores}, busy process on core {cores[0]}, MLP {LAYERS}x{WIDTH}, "
+    print(f"torch {torch.__version__}, cores {cores}, busy process on core {cores[0] if args.slow else None}, MLP {LAYERS}x{WIDTH}, "
           f"global batch {GLOBAL_BATCH}, {args.compiler}, {args.rounds} rounds x {args.steps} steps per split")
     print(f"{'ranks':>5}  {'speed (samples/s per rank)':<32} {'planned split':<18} {'equal ms':>9} {'planned ms':>11} {'ratio':>6}")
     for world in (int(w) for w in args.worlds.split(",")):

@@ -52,6 +52,17 @@ def _refusals() -> dict[str, str]:
     return found
 
 
+def _compiles_alike() -> str:
+    """One step of a wide MLP with shares [2, 1]: its cost model decides differently for 2
+    samples and for 1 (bucketing, prefetch), so ranks must take the same decisions."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = autoshard.shard(torch.nn.Sequential(*(torch.nn.Linear(1024, 1024) for _ in range(4))), batch_shares=[2, 1])
+    run = torch.compile(model, backend="autoshard", options={"compiler": "aot_eager"})
+    run(autoshard.split_batch(torch.randn(3, 1024), model)).sum().backward()
+    return "ok"
+
+
 def _cases() -> dict[str, Any]:
     world = dist.get_world_size()
     shares = SHARES[world]
@@ -66,6 +77,7 @@ def _cases() -> dict[str, Any]:
     found["bf16"] = train_mixed_precision("uneven", _shard("hybrid" if world == 4 else "full", mixed_precision=BF16_COMPUTE),
                                           shares=shares)
     if world == 2:
+        found["compiles_alike"] = _compiles_alike()
         found["inductor"] = train_pair("mlp", shares=shares, compiler="inductor", optimizer="sgd")
         found["uncompiled"] = train_pair("uneven", shares=[0.25, 0.75], compiler="uncompiled")  # fractions work too
     return found
@@ -105,6 +117,10 @@ def test_bad_shares_raise_the_same_error_on_every_rank(world):
     for key, words in {"differ": "ranks disagree", "indivisible": "not a whole number"}.items():
         messages = {rank["refused"][key] for rank in ranks}
         assert len(messages) == 1 and words in messages.pop(), (key, ranks[0]["refused"])
+
+
+def test_ranks_with_different_batch_sizes_compile_the_same_plan():
+    assert [rank["compiles_alike"] for rank in _results(2)] == ["ok", "ok"]
 
 
 def test_split_batch_cuts_tensors_and_containers_on_dim_0():

@@ -149,11 +149,9 @@ def _opaque_copies(opts: Any) -> bool:
 
 
 def _schedule_overlap(gm: fx.GraphModule, ctx: Context) -> None:
-    _schedule(gm, ctx, _budget(ctx), ctx.plan)
-    plan = gm.meta[PLAN]
-    agreed = rank0s(plan, ctx.side)  # the same for every rank, whatever its batch share
-    if (agreed.distances, agreed.reduces_in_flight, agreed.blocked) != (plan.distances, plan.reduces_in_flight, plan.blocked):
-        apply_plan(gm, agreed)
+    _schedule(gm, ctx, _budget(ctx), ctx.plan, only_plan=True)
+    # Rank 0's plan on every rank, whatever its batch share, placed on the graph as bucketed.
+    apply_plan(gm, rank0s(gm.meta[PLAN], ctx.side))
     if ctx.bucket_mb is not None and ctx.options.bucket_mb is None:  # the planner split the buckets
         plan = gm.meta[PLAN]
         gm.meta[PLAN] = replace(plan, forced=(f"buckets split to {ctx.bucket_mb:.3g} MiB at most",) + plan.forced)
