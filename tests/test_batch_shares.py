@@ -53,13 +53,14 @@ def _refusals() -> dict[str, str]:
 
 
 def _compiles_alike() -> str:
-    """One step of a wide MLP with shares [2, 1]: its cost model decides differently for 2
-    samples and for 1 (bucketing, prefetch), so ranks must take the same decisions."""
+    """One step of bench/hetero.py's MLP with shares [2, 1] of 384 samples: the cost model
+    schedules 256 and 128 samples differently, so ranks must take the same decisions."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = autoshard.shard(torch.nn.Sequential(*(torch.nn.Linear(1024, 1024) for _ in range(4))), batch_shares=[2, 1])
+    layers = [m for _ in range(4) for m in (torch.nn.Linear(1024, 1024), torch.nn.GELU())]
+    model = autoshard.shard(torch.nn.Sequential(*layers, torch.nn.Linear(1024, 1)), batch_shares=[2, 1])
     run = torch.compile(model, backend="autoshard", options={"compiler": "aot_eager"})
-    run(autoshard.split_batch(torch.randn(3, 1024), model)).sum().backward()
+    run(autoshard.split_batch(torch.randn(384, 1024), model)).sum().backward()
     return "ok"
 
 
