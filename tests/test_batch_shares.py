@@ -64,10 +64,23 @@ def _compiles_alike() -> str:
     return "ok"
 
 
+def _weights() -> dict[str, Any]:
+    """This rank's gradient weight: after materializing a meta model sharded with shares, then
+    back to equal shares; and whether the weight shows in the state_dict."""
+    with torch.device("meta"):
+        model = build("mlp")
+    autoshard.shard(model, batch_shares=SHARES[dist.get_world_size()])
+    autoshard.materialize(model, "cpu")
+    weight = model._autoshard_batch_weight.item()
+    in_state = any("batch_weight" in k for k in model.state_dict())
+    autoshard.set_batch_shares(model, None)
+    return {"materialized": weight, "equal": model._autoshard_batch_weight.item(), "in_state_dict": in_state}
+
+
 def _cases() -> dict[str, Any]:
     world = dist.get_world_size()
     shares = SHARES[world]
-    found: dict[str, Any] = {"rank": dist.get_rank(), "refused": _refusals()}
+    found: dict[str, Any] = {"rank": dist.get_rank(), "refused": _refusals(), "weights": _weights()}
     for strategy in ("full", "hybrid") if world == 4 else ("full", "grad_op", "replicate"):
         found[strategy] = train_pair("uneven", _shard(strategy), shares=shares, max_norm=MAX_NORM)
     found["gpt"] = train_pair("gpt", shares=shares, optimizer="sgd")
@@ -118,6 +131,13 @@ def test_bad_shares_raise_the_same_error_on_every_rank(world):
     for key, words in {"differ": "ranks disagree", "indivisible": "not a whole number"}.items():
         messages = {rank["refused"][key] for rank in ranks}
         assert len(messages) == 1 and words in messages.pop(), (key, ranks[0]["refused"])
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_gradient_weight_is_world_size_times_the_share_and_survives_materialize(world):
+    for rank in _results(world):
+        share = SHARES[world][rank["rank"]] / sum(SHARES[world])
+        assert rank["weights"] == {"materialized": world * share, "equal": 1.0, "in_state_dict": False}, rank["weights"]
 
 
 def test_ranks_with_different_batch_sizes_compile_the_same_plan():

@@ -172,21 +172,33 @@ def set_batch_shares(module: nn.Module, shares: Any) -> None:
     """
     if not getattr(module, _SHARDED, False):
         raise UsageError(f"autoshard.set_batch_shares: {type(module).__name__} is not sharded; call autoshard.shard first.")
-    world, rank = _world_and_rank()
-    fractions = None if shares is None else normalize(shares, world, "autoshard.set_batch_shares")
+    fractions = None if shares is None else normalize(shares, _world_and_rank()[0], "autoshard.set_batch_shares")
     check_same_on_all_ranks("autoshard.set_batch_shares", [None if fractions is None else [str(f) for f in fractions]],
                             _device_type(module))
-    weight = 1.0 if fractions is None else float(fractions[rank] * world)
     setattr(module, SHARES, fractions)
-    existing = module._buffers.get(WEIGHT)
-    if existing is not None:
-        with torch.no_grad():
-            existing.fill_(weight)  # a graph input: new shares recompile nothing
+    if module._buffers.get(WEIGHT) is not None:
+        refill_weight(module)  # a graph input: new shares recompile nothing
     else:
         device = next((b.device for b in module.buffers()), None) or _local_device(module)
-        module.register_buffer(WEIGHT, torch.tensor(weight, dtype=torch.float32, device=device), persistent=False)
+        module.register_buffer(WEIGHT, torch.tensor(_weight(module), dtype=torch.float32, device=device), persistent=False)
     if getattr(module, _HOOK, None) is None:
         setattr(module, _HOOK, module.register_forward_hook(_hook))
+
+
+def refill_weight(module: nn.Module) -> None:
+    """Write this rank's gradient weight into ``module``'s buffer again (after ``to_empty``
+    allocated it uninitialised); nothing without batch shares."""
+    weight = module._buffers.get(WEIGHT)
+    if weight is not None and weight.device.type != "meta":
+        with torch.no_grad():
+            weight.fill_(_weight(module))
+
+
+def _weight(module: nn.Module) -> float:
+    """World size times this rank's share (1 with equal shares)."""
+    fractions = getattr(module, SHARES, None)
+    world, rank = _world_and_rank()
+    return 1.0 if fractions is None else float(fractions[rank] * world)
 
 
 def _local_device(module: nn.Module) -> torch.device:

@@ -25,6 +25,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
+from autoshard.runtime.batch_shares import refill_weight
 from autoshard.runtime.layout import local_chunk
 from autoshard.runtime.shard import ShardedModule, parameters_as_shards
 
@@ -103,6 +104,7 @@ def materialize(module: nn.Module, device: torch.device | str, init: Callable[[n
             "(build it under torch.device('meta'), shard it, then materialize it)."
         )
     module.to_empty(device=device)
+    refill_weight(module)  # autoshard's own buffer: the batch shares' gradient weight
     if init is not None:
         with shards_in_place(module):
             init(module)

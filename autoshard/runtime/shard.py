@@ -203,7 +203,8 @@ def shard(
             and ``mixed_precision``).
         batch_shares: each rank's share of the global batch, one positive number per rank
             (sample counts such as ``[3, 1]``, or fractions), or an ``autoshard.Plan``
-            carrying ``batch_shares``: see :func:`autoshard.set_batch_shares`. Default: equal.
+            carrying ``batch_shares``: see :func:`autoshard.set_batch_shares`. Default: the
+            ``plan``'s ``batch_shares`` if it has them, else equal.
 
     Build the optimizer after calling ``shard`` (as with FSDP2): it must see the sharded
     parameters. Parameters shared by several modules (tied weights) are sharded once.
@@ -217,6 +218,8 @@ def shard(
     """
     if plan is not None:
         mesh, strategy, mixed_precision = _planned(module, plan, mesh, strategy, mixed_precision)
+        if batch_shares is None:  # a plan for a mixed cluster chose them
+            batch_shares = getattr(plan, "batch_shares", None)
     _check(module, mesh, strategy, reshard_after_forward, mixed_precision)
     if not dist.is_initialized():
         if mixed_precision is not None:
