@@ -1,6 +1,6 @@
 """Mixed clusters, measured: equal batch split vs a speed-proportional split, one rank slowed.
 
-    python bench/hetero.py                      # 2 and 4 gloo ranks, aot_eager, about 1.5 min on 2 cores
+    python bench/hetero.py                      # 2 and 4 gloo ranks, aot_eager, about 2 min on 2 cores
     python bench/hetero.py --worlds 2 --rounds 3 --compiler uncompiled
     python bench/hetero.py --shares 2,1         # a given split (e.g. a plan's) instead of the timed one
 
