@@ -182,5 +182,41 @@ def test_ranks_whose_compile_hits_run_with_ranks_whose_compile_misses(tmp_path, 
     assert hit["loss"] == missed["loss"]
 
 
+def _uneven(cache_root: str) -> dict[str, Any]:
+    """A step on this gloo rank with batch shares [3, 1] of a global batch of 4 sequences."""
+    import torch
+    import torch.distributed as dist
+
+    import autoshard
+    from autoshard._compat.caches import cache_counts
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    from gpt import GPT, GPTConfig
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache_root, f"rank{dist.get_rank()}")
+    torch.manual_seed(0)
+    model = autoshard.shard(GPT(GPTConfig(n_layer=1, **WIDTH)), batch_shares=[3, 1])
+    compiled = torch.compile(model, backend="autoshard", options={"compiler": "inductor"})
+    idx = torch.randint(0, WIDTH["vocab_size"], (4, WIDTH["block_size"]), generator=torch.Generator().manual_seed(1))
+    mine = autoshard.split_batch(idx, model)
+    compiled(mine, mine).backward()
+    grads = [p.grad.full_tensor().sum().item() for p in model.parameters() if p.grad is not None]
+    return {"counts": cache_counts(), "rows": mine.shape[0], "grads": grads}
+
+
+def test_ranks_with_their_own_batch_shares_compile_uncached_and_agree(tmp_path, monkeypatch):
+    """Their input shapes differ, so their cache keys do: rather than a mismatch error, every
+    rank compiles uncached and takes rank 0's decisions (runtime/batch_shares.py)."""
+    from autoshard.tools.launch import run_ranks
+
+    for var in _CACHE_SWITCHES:
+        monkeypatch.delenv(var, raising=False)
+    big, small = run_ranks(2, _uneven, str(tmp_path), timeout=900)
+    assert (big["rows"], small["rows"]) == (3, 1)
+    for found in (big, small):  # the AOT autograd cache neither served nor stored the compile
+        assert found["counts"]["autograd_hit"] == 0 and found["counts"]["autograd_miss"] == 0
+    assert big["grads"] == small["grads"]  # the same reduced gradients on both ranks
+
+
 if __name__ == "__main__":
     print(json.dumps(_child(*json.loads(sys.argv[1]))))

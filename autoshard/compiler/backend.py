@@ -35,7 +35,7 @@ from autoshard._compat import (
 from autoshard._compat.caches import caches_on, keyed_by
 from autoshard.compiler import pipeline
 from autoshard.compiler.cache_key import cache_key, graph_key
-from autoshard.compiler.consistency import check_keys_agree, reports_compile_failure
+from autoshard.compiler.consistency import keys_agree, reports_compile_failure
 from autoshard.compiler.cost_model import DeviceProfile, get_profile, schedule_config
 from autoshard.compiler.dump import GraphDump
 from autoshard.compiler.ghosts import gather_ghosts, with_leaves
@@ -200,7 +200,8 @@ def _compile(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict | 
     key = cache_key(gm, opts, _profile(gm, opts)) if cached else None
     if key is not None:
         with phase("cache_key"):
-            check_keys_agree(graph_key(gm, example_inputs, key), "captured")
+            cached = keys_agree(graph_key(gm, example_inputs, key), "captured")
+            key = key if cached else None
     with functorch_config.patch(joint_custom_pass=joint_pass, enable_autograd_cache=cached), unlogged_graph_text(), \
             keyed_by(key) if key is not None else contextlib.nullcontext():
         if opts.compiler == "inductor":

@@ -74,6 +74,6 @@ def cache_key(gm: fx.GraphModule, opts: Options, profile: DeviceProfile) -> str:
 
 def graph_key(gm: fx.GraphModule, example_inputs: Any, key: str) -> str:
     """``key`` with the graph's code and its inputs' shapes, dtypes and requires_grad: what the
-    ranks compare before a compile the caches may serve (consistency.check_keys_agree)."""
+    ranks compare before a compile the caches may serve (consistency.keys_agree)."""
     inputs = [(tuple(x.shape), str(x.dtype), x.requires_grad) if isinstance(x, torch.Tensor) else repr(x) for x in example_inputs]
     return hashlib.sha256(repr((key, gm.code, inputs)).encode()).hexdigest()[:32]

@@ -189,21 +189,12 @@ def _exchange(text: str, what: str) -> list[str]:
     return [store.get(k).decode() for k in keys]
 
 
-def check_keys_agree(key: str, what: str) -> None:
-    """Before a compile the caches may serve: exchange its cache key (the Dynamo graph and
-    every input of the plan, compiler/cache_key.py) with every rank; raise the same error on
-    all if any differ. It replaces the plan exchange, which a rank whose compile hit the cache
-    would skip while a rank that missed waits for it: equal keys give equal plans."""
-    if not multi_rank():
-        return
-    texts = _exchange(key, what)
-    if len(set(texts)) > 1:
-        groups: dict[str, list[int]] = {}
-        for r, text in enumerate(texts):
-            groups.setdefault(text, []).append(r)
-        detail = "; ".join(f"ranks {ranks}: {k[:16]}" for k, ranks in sorted(groups.items(), key=lambda kv: kv[1]))
-        raise PlanMismatchError(
-            f"autoshard backend: ranks compile different {what} graphs or options (cache keys {detail}), and running them "
-            "would hang. A per-rank branch, per-rank input shapes or per-rank options split them: make every rank run the "
-            "same code with the same shapes and options (compile with options={'debug_dir': ...} to compare their graphs)."
-        )
+def keys_agree(key: str, what: str) -> bool:
+    """Before a compile the caches may serve: exchange its cache key (the Dynamo graph, its
+    input shapes and every input of the plan, compiler/cache_key.py) with every rank. True
+    when all are equal: then the plan is equal too, whether a rank's compile hits the cache
+    (and runs no passes) or misses, so the plan exchange is not needed. False on every rank
+    when any differ (ranks with their own batch shares see other input shapes): the compile
+    then runs uncached on every rank, and the passes exchange their decisions and plans
+    (:func:`rank0s`, :func:`check_ranks_agree`), which also name a real mismatch."""
+    return not multi_rank() or len(set(_exchange(key, what))) == 1

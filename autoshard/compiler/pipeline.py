@@ -65,7 +65,7 @@ class Context:
     bucket_mb: float | None = None
     plan: Any = None
     param_bytes: int = 0  # this rank's parameter shards: with the optimizer state, held outside the graphs
-    # The ranks already agreed on the compile's cache key, which fixes the plan (consistency.check_keys_agree).
+    # The ranks already agreed on the compile's cache key, which fixes the plan (consistency.keys_agree).
     key_agreed: bool = False
 
 
@@ -132,7 +132,7 @@ def _bucket(gm: fx.GraphModule, ctx: Context) -> None:
         timing = replace(timing, compute_time=functools.cache(timing.compute_time))
         schedule = lambda g, b: _schedule(g, ctx, b, only_plan=True)  # noqa: E731
         ctx.bucket_mb, ctx.plan, chosen = choose_bucket_mb(gm, schedule, _budget(ctx), timing, _opaque_copies(opts))
-        agreed = rank0s(ctx.bucket_mb, ctx.side)  # ranks with other batch shares may choose otherwise
+        agreed = ctx.bucket_mb if ctx.key_agreed else rank0s(ctx.bucket_mb, ctx.side)  # other batch shares may choose otherwise
         if agreed == ctx.bucket_mb:
             gm.graph = chosen.graph
         else:
@@ -151,7 +151,7 @@ def _opaque_copies(opts: Any) -> bool:
 def _schedule_overlap(gm: fx.GraphModule, ctx: Context) -> None:
     _schedule(gm, ctx, _budget(ctx), ctx.plan, only_plan=True)
     # Rank 0's plan on every rank, whatever its batch share, placed on the graph as bucketed.
-    apply_plan(gm, rank0s(gm.meta[PLAN], ctx.side))
+    apply_plan(gm, gm.meta[PLAN] if ctx.key_agreed else rank0s(gm.meta[PLAN], ctx.side))
     if ctx.bucket_mb is not None and ctx.options.bucket_mb is None:  # the planner split the buckets
         plan = gm.meta[PLAN]
         gm.meta[PLAN] = replace(plan, forced=(f"buckets split to {ctx.bucket_mb:.3g} MiB at most",) + plan.forced)
