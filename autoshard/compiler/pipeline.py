@@ -37,6 +37,7 @@ from autoshard.passes import (
 from autoshard.passes.graph_utils import is_copy, mib_to_bytes
 from autoshard.passes.schedule import PLAN, apply_plan
 from autoshard.passes.schedule_config import CollectiveMemory, ScheduleConfig
+from autoshard.runtime.batch_shares import uneven_shares_in_use
 
 # What a graph holds, as passes require and provide it.
 ANNOTATIONS = "annotation ops"  # every graph starts with them (Dynamo's reads, gathered by compiler/ghosts.py)
@@ -67,6 +68,13 @@ class Context:
     param_bytes: int = 0  # this rank's parameter shards: with the optimizer state, held outside the graphs
     # The ranks already agreed on the compile's cache key, which fixes the plan (consistency.keys_agree).
     key_agreed: bool = False
+
+    @property
+    def follow_rank0(self) -> bool:
+        """Whether each rank takes rank 0's bucket and schedule decisions: ranks given unequal
+        batch shares see other activation shapes and would decide otherwise. Only then: every
+        exchange must be made by every rank alike, and these are made on every rank here."""
+        return uneven_shares_in_use() and not self.key_agreed
 
 
 @dataclass(frozen=True)
@@ -132,13 +140,15 @@ def _bucket(gm: fx.GraphModule, ctx: Context) -> None:
         timing = replace(timing, compute_time=functools.cache(timing.compute_time))
         schedule = lambda g, b: _schedule(g, ctx, b, only_plan=True)  # noqa: E731
         ctx.bucket_mb, ctx.plan, chosen = choose_bucket_mb(gm, schedule, _budget(ctx), timing, _opaque_copies(opts))
-        agreed = ctx.bucket_mb if ctx.key_agreed else rank0s(ctx.bucket_mb, ctx.side)  # other batch shares may choose otherwise
+        agreed = rank0s(ctx.bucket_mb, ctx.side) if ctx.follow_rank0 else ctx.bucket_mb
         if agreed == ctx.bucket_mb:
             gm.graph = chosen.graph
         else:
             ctx.bucket_mb, ctx.plan = agreed, None
             bucket_collectives(gm, agreed, _opaque_copies(opts))
     else:
+        if ctx.follow_rank0:  # the same exchanges on every rank, whichever way it buckets
+            rank0s(ctx.bucket_mb, ctx.side)
         bucket_collectives(gm, ctx.bucket_mb, _opaque_copies(opts))
 
 
@@ -151,7 +161,11 @@ def _opaque_copies(opts: Any) -> bool:
 def _schedule_overlap(gm: fx.GraphModule, ctx: Context) -> None:
     _schedule(gm, ctx, _budget(ctx), ctx.plan, only_plan=True)
     # Rank 0's plan on every rank, whatever its batch share, placed on the graph as bucketed.
-    apply_plan(gm, gm.meta[PLAN] if ctx.key_agreed else rank0s(gm.meta[PLAN], ctx.side))
+    own = gm.meta[PLAN]
+    plan = rank0s(own, ctx.side) if ctx.follow_rank0 else own
+    if (len(plan.distances), len(plan.blocked)) != (len(own.distances), len(own.blocked)):
+        plan = own  # other buckets than rank 0's: check_ranks_agree names the difference on every rank
+    apply_plan(gm, plan)
     if ctx.bucket_mb is not None and ctx.options.bucket_mb is None:  # the planner split the buckets
         plan = gm.meta[PLAN]
         gm.meta[PLAN] = replace(plan, forced=(f"buckets split to {ctx.bucket_mb:.3g} MiB at most",) + plan.forced)

@@ -35,6 +35,7 @@ from autoshard.runtime.errors import UsageError
 from autoshard.runtime.fail_together import check_same_on_all_ranks
 from autoshard.runtime.sharded import _SHARDED
 
+_uneven = [False]  # set once any model trains with unequal shares: the same on every rank (checked)
 WEIGHT = "_autoshard_batch_weight"  # buffer on the root: N * this rank's share
 SHARES = "_autoshard_batch_shares"  # on the root: the shares as given, normalised to fractions
 _HOOK = "_autoshard_batch_hook"
@@ -176,6 +177,7 @@ def set_batch_shares(module: nn.Module, shares: Any) -> None:
     check_same_on_all_ranks("autoshard.set_batch_shares", [None if fractions is None else [str(f) for f in fractions]],
                             _device_type(module))
     setattr(module, SHARES, fractions)
+    _uneven[0] = _uneven[0] or (fractions is not None and len(set(fractions)) > 1)
     if module._buffers.get(WEIGHT) is not None:
         refill_weight(module)  # a graph input: new shares recompile nothing
     else:
@@ -214,9 +216,16 @@ def _device_type(module: nn.Module) -> str:
     return "cpu" if device == "meta" else device
 
 
+def uneven_shares_in_use() -> bool:
+    """Whether a model in this process was given unequal batch shares (then ranks see other
+    activation shapes, and the compiler makes each rank take rank 0's decisions). Every rank
+    gives the same shares, so every rank answers the same."""
+    return _uneven[0]
+
+
 def shares_of(module: nn.Module) -> tuple[Fraction, ...] | None:
     """The batch shares ``module`` trains with (None: equal)."""
     return getattr(module, SHARES, None)
 
 
-__all__ = ["batch_sizes", "normalize", "set_batch_shares", "shares_of", "split_batch"]
+__all__ = ["batch_sizes", "normalize", "set_batch_shares", "shares_of", "split_batch", "uneven_shares_in_use"]
