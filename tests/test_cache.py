@@ -191,9 +191,9 @@ def _uneven(cache_root: str) -> dict[str, Any]:
     from autoshard._compat.caches import cache_counts
 
     sys.path.insert(0, str(ROOT / "examples"))
-    from gpt import GPT, GPTConfig
-
     from autoshard.compiler import backend
+
+    from gpt import GPT, GPTConfig
 
     agreed: list[bool] = []
     real = backend.keys_agree
