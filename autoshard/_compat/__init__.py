@@ -60,6 +60,7 @@ __all__ = [
     "resolve_process_group",
     "run_and_get_code",
     "aot_autograd",
+    "autograd_inside_op",
     "COMPILE_PHASE_FUNCTIONS",
     "all_gather_single",
     "c10d",
@@ -97,6 +98,17 @@ __all__ = [
     "structured_trace_on",
     "trace_artifact",
 ]
+
+@contextlib.contextmanager
+def autograd_inside_op() -> Iterator[None]:
+    """Autograd on again inside a custom op's implementation, which runs below autograd
+    (``_AutoDispatchBelowAutograd`` excludes its keys): for an op whose backward recomputes a
+    function and differentiates it (expert parallelism's backward)."""
+    C = torch._C
+    exclude = C._dispatch_tls_local_exclude_set().remove(C.DispatchKey.AutogradFunctionality)
+    with C._ForceDispatchKeyGuard(C._dispatch_tls_local_include_set(), exclude), torch.enable_grad():
+        yield
+
 
 # The traceable functional collectives (explicit wait_tensor) that Inductor lowers.
 c10d = torch.ops._c10d_functional

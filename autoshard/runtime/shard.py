@@ -28,6 +28,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Placement
 
+from autoshard.runtime import experts as expert_parallelism
 from autoshard.runtime import grad_sync, leaves
 from autoshard.runtime.batch_shares import normalize, set_batch_shares
 from autoshard.runtime.errors import UsageError
@@ -171,6 +172,7 @@ def shard(
     mixed_precision: MixedPrecision | None = None,
     plan: Any = None,
     batch_shares: Any = None,
+    experts: str = "gathered",
 ) -> nn.Module:
     """Shard ``module``'s parameters in place across the ranks of ``mesh`` and return it.
 
@@ -205,6 +207,12 @@ def shard(
             (sample counts such as ``[3, 1]``, or fractions), or an ``autoshard.Plan``
             carrying ``batch_shares``: see :func:`autoshard.set_batch_shares`. Default: the
             ``plan``'s ``batch_shares`` if it has them, else equal.
+        experts: ``"gathered"`` (default): experts modules are sharded like any parameter and
+            gathered whole where used. ``"parallel"``: expert parallelism over every rank of a
+            1-D mesh: each experts module (3-D parameters sharing a leading expert dimension,
+            called as ``experts(hidden_states, top_k_index, top_k_weights)``) keeps
+            ``E / world_size`` whole experts per rank, never gathered, and tokens travel to
+            them by all-to-all (:mod:`autoshard.runtime.experts`); ``E`` must divide evenly.
 
     Build the optimizer after calling ``shard`` (as with FSDP2): it must see the sharded
     parameters. Parameters shared by several modules (tied weights) are sharded once.
@@ -221,6 +229,8 @@ def shard(
         if batch_shares is None:  # a plan for a mixed cluster chose them
             batch_shares = getattr(plan, "batch_shares", None)
     _check(module, mesh, strategy, reshard_after_forward, mixed_precision)
+    if experts not in expert_parallelism.EXPERTS:
+        raise UsageError(f"autoshard.shard: experts must be one of {expert_parallelism.EXPERTS}, got {experts!r}.")
     if not dist.is_initialized():
         if mixed_precision is not None:
             warnings.warn(
@@ -239,9 +249,13 @@ def shard(
     if reshard_after_forward is None and strategy not in ("full", "hybrid"):
         reshard_after_forward = False  # None stays: the lowering keeps what the backward needs first
     # Plan every new parameter, agree, build them all, then install: nothing is half-applied.
-    layouts, owners = _plan(module, mesh, strategy, reshard_after_forward, mixed_precision)
+    found = expert_parallelism.plan(module, mesh) if experts == "parallel" else []
+    skip = {id(p) for _, m in found for p in m.parameters(recurse=False)}
+    layouts, owners = _plan(module, mesh, strategy, reshard_after_forward, mixed_precision, skip)
     # Ranks that built different models would otherwise hang or train apart: fail alike first.
-    check_same_on_all_ranks("autoshard.shard", _describe(owners, layouts, strategy, mesh, mixed_precision), mesh.device_type)
+    described = _describe(owners, layouts, strategy, mesh, mixed_precision) + expert_parallelism.describe(found)
+    check_same_on_all_ranks("autoshard.shard", described, mesh.device_type)
+    expert_parallelism.install(found, mesh)
     sharded = {key: nn.Parameter(to_dtensor(param, mesh, placements), requires_grad=param.requires_grad)
                for key, (param, placements) in layouts.items()}
     _install(module, owners, sharded, mixed_precision)
@@ -251,7 +265,8 @@ def shard(
 
 
 def _plan(
-    module: nn.Module, mesh: DeviceMesh, strategy: str, reshard: bool | None, mixed_precision: MixedPrecision | None
+    module: nn.Module, mesh: DeviceMesh, strategy: str, reshard: bool | None, mixed_precision: MixedPrecision | None,
+    skip: set[int] = frozenset(),
 ) -> tuple[Layouts, Owners]:
     """(each new parameter's placements by id, each owning module's specs), changing nothing."""
     groups, split, replicated = layout(mesh, strategy)
@@ -260,8 +275,8 @@ def _plan(
     for prefix, mod in module.named_modules():
         specs = {}
         for name, param in mod._parameters.items():
-            if param is None:
-                continue
+            if param is None or id(param) in skip or getattr(param, expert_parallelism.MARK, False):
+                continue  # experts split by expert parallelism, never gathered
             fqn = f"{prefix}.{name}" if prefix else name
             # Sharded by an earlier call on a submodule: keep its settings, name it from here.
             if name in getattr(mod, "_autoshard_specs", {}):
