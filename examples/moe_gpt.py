@@ -8,8 +8,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from gpt import CausalSelfAttention
 from torch import nn
+
+from gpt import CausalSelfAttention
 
 
 @dataclass

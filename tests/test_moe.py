@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import moe_trainer
 import pytest
 import torch
 from torch import nn
@@ -15,8 +16,6 @@ from torch import nn
 import autoshard
 from autoshard.launch import run_ranks
 from autoshard.runtime.experts import is_experts
-
-import moe_trainer  # noqa: I001  (tests/ is on the path)
 
 TOL = 1e-5
 _GATHER = re.compile(r'all_gather_into_tensor\w*: "\w+\[(\d+)\]')
@@ -59,14 +58,6 @@ def test_moe_gpt_trains_like_one_process_gathering_no_expert(world: int, tmp_pat
     backward = (tmp_path / "rank0" / "graph0" / "backward.py").read_text()
     assert forward.count("torch.ops.autoshard.expert_parallel.default(") == 2
     assert backward.count("torch.ops.autoshard.expert_parallel_backward.default(") == 2
-
-
-def test_gathered_experts_are_what_the_graph_check_would_catch(tmp_path: Path) -> None:
-    """The same reading of the graphs on today's default (experts gathered) finds the experts'
-    bytes: the check above can fail."""
-    found = run_ranks(2, moe_trainer.train, "moe_gpt", "aot_eager", 1, str(tmp_path), "gathered", timeout=900)
-    assert found[0]["expert_bytes"][0] * 2 == found[0]["expert_bytes"][1]  # evenly sharded, but ...
-    assert _gathered_in_forward(tmp_path) > _dense_padded("moe_gpt", 2)  # ... gathered
 
 
 @pytest.mark.parametrize("world, compiler", [(2, "aot_eager"), (4, "aot_eager"), (2, "inductor")])

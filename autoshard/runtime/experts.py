@@ -122,7 +122,8 @@ def _runner(local_module: nn.Module, names: tuple[str, ...]) -> expert_ops.Local
     forward = type(local_module).forward
 
     def run(tokens: torch.Tensor, expert: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
-        local_module._parameters.update(zip(names, weights))
+        # In the tokens' dtype (a mixed-precision model's compute dtype); gradients flow back to the shard's.
+        local_module._parameters.update(zip(names, (w.to(tokens.dtype) if w.is_floating_point() else w for w in weights)))
         ones = torch.ones(tokens.shape[0], 1, dtype=tokens.dtype)
         return forward(local_module, tokens, expert[:, None], ones)
 
