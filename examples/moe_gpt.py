@@ -35,13 +35,23 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.randn(cfg.n_expert, cfg.n_embd, cfg.expert_hidden) * 0.02)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros_like(hidden_states)
-        for e in range(self.num_experts):  # eager reference: one matmul pair per expert
-            token, slot = torch.where(top_k_index == e)
-            gate, up = F.linear(hidden_states[token], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down_proj[e])
-            out.index_add_(0, token, y * top_k_weights[token, slot, None])
-        return out
+        return _run_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj)
+
+
+# Each expert's token count depends on the routing: compiled, this loop would break the graph at
+# every expert and recompile as the counts change. Run eagerly instead, it is one break per layer,
+# after the weights are read (and, with experts sharded as any parameter, gathered) in the graph.
+# With autoshard.shard(model, experts="parallel") the layer is one op and nothing breaks.
+@torch.compiler.disable
+def _run_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                 gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros_like(hidden_states)
+    for e in range(gate_up_proj.shape[0]):  # one matmul pair per expert, on its tokens only
+        token, slot = torch.where(top_k_index == e)
+        gate, up = F.linear(hidden_states[token], gate_up_proj[e]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, down_proj[e])
+        out.index_add_(0, token, y * top_k_weights[token, slot, None])
+    return out
 
 
 class MoE(nn.Module):

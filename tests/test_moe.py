@@ -60,6 +60,15 @@ def test_moe_gpt_trains_like_one_process_gathering_no_expert(world: int, tmp_pat
     assert backward.count("torch.ops.autoshard.expert_parallel_backward.default(") == 2
 
 
+def test_the_graph_reading_finds_gathered_experts(tmp_path: Path) -> None:
+    """The same reading of the graphs on the default (experts sharded like any parameter)
+    finds the experts gathered: the check above can fail."""
+    found = run_ranks(2, moe_trainer.train, "moe_gpt", "aot_eager", 1, str(tmp_path), "gathered", timeout=900)
+    _check(found[0])
+    local, full = found[0]["expert_bytes"]
+    assert _gathered_in_forward(tmp_path) >= _dense_padded("moe_gpt", 2) + full // 4  # float32: 4 bytes an element
+
+
 @pytest.mark.parametrize("world, compiler", [(2, "aot_eager"), (4, "aot_eager"), (2, "inductor")])
 def test_transformers_mixtral_trains_like_one_process(world: int, compiler: str) -> None:
     pytest.importorskip("transformers")

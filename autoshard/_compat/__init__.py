@@ -64,6 +64,7 @@ __all__ = [
     "COMPILE_PHASE_FUNCTIONS",
     "all_gather_single",
     "c10d",
+    "dynamo_config",
     "dynamo_counters",
     "FakeTensor",
     "fake_from_meta",
@@ -109,6 +110,9 @@ def autograd_inside_op() -> Iterator[None]:
     with C._ForceDispatchKeyGuard(C._dispatch_tls_local_include_set(), exclude), torch.enable_grad():
         yield
 
+
+# Dynamo's settings (a benchmark turns automatic dynamic shapes off).
+dynamo_config = torch._dynamo.config
 
 # The traceable functional collectives (explicit wait_tensor) that Inductor lowers.
 c10d = torch.ops._c10d_functional
