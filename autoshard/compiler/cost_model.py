@@ -38,6 +38,8 @@ from autoshard.passes.graph_utils import (
     tensors,
 )
 from autoshard.passes.schedule_config import CollectiveMemory, ScheduleConfig
+from autoshard.runtime.expert_ops import EXPERT_PARALLEL, EXPERT_PARALLEL_BACKWARD
+from autoshard.runtime.ops import arguments
 
 aten = torch.ops.aten
 
@@ -107,6 +109,26 @@ _ALLOCATIONS = (torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided
 _READS_WHAT_IT_WRITES = (torch.ops.aten.narrow_copy.default,)
 
 
+def expert_parallel_time(node: fx.Node, profile: str | DeviceProfile) -> float:
+    """Seconds of one ``autoshard::expert_parallel`` (or its backward) call: the local experts'
+    matmuls on the tokens routed to them (as many, on average, as this rank sends: ``T * k``)
+    and the all-to-alls of ``T * k`` token rows, each priced as a ring reduce-scatter of that
+    buffer (``(n-1)`` latencies, ``(n-1)/n`` of the bytes cross). Forward: 2 exchanges, the
+    experts once. Backward: 2 exchanges of twice the width and one of the width (3 units), the
+    experts recomputed and differentiated (3x the forward's FLOPs)."""
+    profile = get_profile(profile)
+    found = arguments(node.target, node.args, node.kwargs)
+    hidden, index = _val(found["hidden"]), _val(found["top_k_index"])
+    weights = [_val(w) for w in found["weights"]]
+    rows = index.shape[0] * index.shape[1]
+    flops = 2 * rows * sum(w.numel() // w.shape[0] for w in weights)  # one expert's weights per routed row
+    backward = node.target is EXPERT_PARALLEL_BACKWARD
+    units = 3 if backward else 2
+    exchange = collective_time("reduce_scatter", rows * hidden.shape[1] * hidden.element_size(), found["world_size"], profile)
+    compute = (3 if backward else 1) * flops / profile.flops_per_s(hidden.dtype)
+    return profile.op_overhead + profile.launch_overhead + compute + units * exchange
+
+
 def node_time(node: fx.Node, profile: str | DeviceProfile) -> float:
     """Seconds one compute node takes:
     ``op_overhead + launch_overhead + max(flops / peak, bytes / mem_bw)``.
@@ -120,6 +142,8 @@ def node_time(node: fx.Node, profile: str | DeviceProfile) -> float:
     """
     if node.op != "call_function" or not hasattr(node.target, "overloadpacket") or collective_kind(node) or is_wait(node):
         return 0.0  # getitem, builtins, higher-order ops: no ATen call
+    if node.target in (EXPERT_PARALLEL, EXPERT_PARALLEL_BACKWARD):
+        return expert_parallel_time(node, profile)  # blocking: its all-to-alls are inside
     profile = get_profile(profile)
     if is_view(node, hidden=True) or node.target in _ALLOCATIONS or not tensors(node.meta.get("val")):
         return profile.op_overhead

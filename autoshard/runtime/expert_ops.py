@@ -104,7 +104,7 @@ def expert_parallel_backward(grad: torch.Tensor, hidden: torch.Tensor, top_k_ind
     grad_x = grads[0] if grads[0] is not None else torch.zeros_like(x)
     back = _exchange(grad_x.to(hidden.dtype), route.recv, route.send, group)
     grad_hidden = torch.zeros_like(hidden).index_add_(0, route.order // k, back)
-    grad_weights = [torch.zeros_like(w) if g is None else g / world_size for w, g in zip(weights, grads[1:])]
+    grad_weights = [torch.zeros_like(w) if g is None else g.div_(world_size) for w, g in zip(weights, grads[1:])]  # fresh: in place
     return [grad_hidden, *grad_weights]
 
 
