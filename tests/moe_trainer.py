@@ -57,12 +57,19 @@ def expert_bytes(model: nn.Module) -> tuple[int, int]:
 
 
 def train(name: str, compiler: str, steps: int = 3, debug_dir: str | None = None, experts: str = "parallel") -> dict[str, Any]:
-    """Parity of ``steps`` SGD-with-momentum steps; what the compiled graphs were."""
+    """Parity of ``steps`` SGD-with-momentum steps; what the compiled graphs were. ``experts``:
+    ``autoshard.shard``'s, or "per_block" (the MoE GPT's blocks sharded first)."""
     torch._dynamo.reset()
     dynamo_counters.clear()
     rank, world = dist.get_rank(), dist.get_world_size()
     reference = build(name)
-    sharded = autoshard.shard(copy.deepcopy(reference), experts=experts)
+    sharded = copy.deepcopy(reference)
+    if experts == "per_block":  # FSDP2's usual pattern: each block first (experts split there), then the root
+        for block in sharded.blocks:
+            autoshard.shard(block, experts="parallel")
+        autoshard.shard(sharded)
+    else:
+        autoshard.shard(sharded, experts=experts)
     options = {"compiler": compiler} | ({"debug_dir": debug_dir} if debug_dir else {})
     run = torch.compile(sharded, backend="autoshard", options=options)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)

@@ -71,6 +71,15 @@ def test_transformers_mixtral_trains_like_one_process(world: int, compiler: str)
         assert f["graphs"] == 1, f["graphs"]
 
 
+def test_blocks_sharded_first_then_the_root() -> None:
+    """Experts split by a block's shard call; the root's (default) call leaves them alone."""
+    found = run_ranks(2, moe_trainer.train, "moe_gpt", "aot_eager", 2, None, "per_block", timeout=900)
+    for f in found:
+        _check(f)
+        local, full = f["expert_bytes"]
+        assert local * 2 == full
+
+
 def test_moe_gpt_under_inductor_at_4_ranks() -> None:
     found = run_ranks(4, moe_trainer.train, "moe_gpt", "inductor", 2, timeout=900)
     for f in found:

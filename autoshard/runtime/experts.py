@@ -65,8 +65,9 @@ def plan(module: nn.Module, mesh: DeviceMesh) -> list[tuple[str, nn.Module]]:
     if mesh.ndim != 1:
         raise UsageError(f"autoshard.shard: experts='parallel' needs a 1-D mesh (experts split over every rank), got {mesh.ndim}-D "
                          f"{tuple(mesh.shape)}; pass a 1-D mesh or experts='gathered'.")
-    found = [(name, m) for name, m in module.named_modules() if is_experts(m) and not getattr(m, MARK, False)]
-    if not found:
+    every = [(name, m) for name, m in module.named_modules() if is_experts(m) or getattr(m, MARK, False)]
+    found = [(name, m) for name, m in every if not getattr(m, MARK, False)]  # not split by an earlier call on a block
+    if not every:
         raise UsageError(f"autoshard.shard: experts='parallel' but {type(module).__name__} has no experts module (parameters "
                          f"sharing a leading expert dimension, at least one 3-D, forward{_ARGS}); use experts='gathered'.")
     world = mesh.size()
