@@ -34,10 +34,16 @@ WHERE = (
     "autoshard explain: ",
     "autoshard plan: ",
     "autoshard.plan: ",
+    "autoshard.set_batch_shares: ",
+    "autoshard.split_batch: ",
+    "autoshard.batch_sizes: ",
+    "autoshard.Cluster: ",
 )
 
 # (file, enclosing function, exception) -> why its message need not start with a WHERE.
 INTERNAL = {
+    ("autoshard/runtime/batched.py", "key_for", "RuntimeError"):
+        "internal: two batches whose 80-bit hashes collide; an autoshard bug to report, not a user's call",
     ("passes/schedule.py", "_untimed", "AssertionError"):
         "internal: apply_plan's compute-time stand-in; placing a given plan never prices a node",
     ("autoshard/_compat/inductor.py", "schedule_overlap_bucketing", "ValueError"):
@@ -61,6 +67,7 @@ INTERNAL = {
 DYNAMIC = {
     ("autoshard/runtime/fail_together.py", "what"): ("fail_together", "check_same_on_all_ranks"),
     ("autoshard/tools/explain.py", "caller"): ("load_factory", "input_maker"),  # the command line's checks, shared
+    ("autoshard/runtime/batch_shares.py", "what"): ("normalize",),  # shard, set_batch_shares, split_batch, batch_sizes
 }
 
 
@@ -152,8 +159,9 @@ def test_every_internal_exemption_still_exists():
 
 
 def test_apis_that_name_themselves_in_messages_are_given_a_where():
-    """``fail_together(what)`` and ``check_same_on_all_ranks(what, ...)`` start their messages
-    with ``what``: every call passes a literal that is a WHERE."""
+    """``fail_together(what)``, ``check_same_on_all_ranks(what, ...)`` and
+    ``normalize(..., what=...)`` start their messages with ``what``: every call passes a
+    literal that is a WHERE."""
     takers = {name for names in DYNAMIC.values() for name in names}
     calls = []
     for file in _sources():
@@ -164,7 +172,9 @@ def test_apis_that_name_themselves_in_messages_are_given_a_where():
                     calls.append((file.relative_to(ROOT).as_posix(), node))
     assert len(calls) >= 3  # autoshard.save, autoshard.load, autoshard.shard
     for path, call in calls:
-        what = call.args[0] if call.args else None
-        if path == "autoshard/runtime/fail_together.py" and isinstance(what, ast.Name) and what.id == "what":
+        named = [k.value for k in call.keywords if k.arg == "what"]  # normalize(..., what=...)
+        what = named[0] if named else call.args[0] if call.args else None
+        if path in ("autoshard/runtime/fail_together.py", "autoshard/runtime/batch_shares.py") \
+                and isinstance(what, ast.Name) and what.id == "what":
             continue  # passing its own argument on
         assert isinstance(what, ast.Constant) and f"{what.value}: ".startswith(WHERE), f"{path}:{call.lineno}: {ast.unparse(call)}"

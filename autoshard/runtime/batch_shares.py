@@ -173,7 +173,7 @@ def set_batch_shares(module: nn.Module, shares: Any) -> None:
     """
     if not getattr(module, _SHARDED, False):
         raise UsageError(f"autoshard.set_batch_shares: {type(module).__name__} is not sharded; call autoshard.shard first.")
-    fractions = None if shares is None else normalize(shares, _world_and_rank()[0], "autoshard.set_batch_shares")
+    fractions = None if shares is None else normalize(shares, _world_and_rank()[0], what="autoshard.set_batch_shares")
     check_same_on_all_ranks("autoshard.set_batch_shares", [None if fractions is None else [str(f) for f in fractions]],
                             _device_type(module))
     setattr(module, SHARES, fractions)

@@ -244,7 +244,7 @@ def shard(
             set_batch_shares(module, batch_shares)
         return module
     if batch_shares is not None:  # refused before anything changes
-        normalize(batch_shares, dist.get_world_size(), "autoshard.shard")
+        normalize(batch_shares, dist.get_world_size(), what="autoshard.shard")
     mesh = mesh if mesh is not None else _default_mesh(module)
     if reshard_after_forward is None and strategy not in ("full", "hybrid"):
         reshard_after_forward = False  # None stays: the lowering keeps what the backward needs first
