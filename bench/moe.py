@@ -34,16 +34,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from moe_gpt import MoEConfig, MoEGPT  # noqa: E402
 
 import autoshard  # noqa: E402
-from autoshard._compat import dynamo_config  # noqa: E402
 from autoshard.tools.launch import run_ranks  # noqa: E402
 
 from real import peak_rise, state_bytes, train_step  # noqa: E402
 
 MODES = ("gathered", "parallel")
 SYSTEMS = [(mode, compiled) for compiled in (False, True) for mode in MODES]
-# The gathered model's recompiles with automatic dynamic shapes hand a graph the wrong shard on
-# main today (gloo: "invalid tensor size"); static recompiles avoid it. Expert parallelism compiles once either way.
-dynamo_config.automatic_dynamic_shapes = False
 
 
 def _setup(args: argparse.Namespace) -> dict:

@@ -60,6 +60,16 @@ def test_moe_gpt_trains_like_one_process_gathering_no_expert(world: int, tmp_pat
     assert backward.count("torch.ops.autoshard.expert_parallel_backward.default(") == 2
 
 
+def test_gathered_experts_handed_to_eager_code_train_like_one_process() -> None:
+    """Experts sharded as any parameter (the default): the example's experts loop runs eagerly
+    (``torch.compiler.disable``), handed the expert weights read in the graph before the break.
+    Those reads must reach it gathered (they reached it as the NaN placeholders the backend
+    gathers, and, with automatic dynamic shapes, a getter recompiled for another parameter's
+    shape gathered with the first one's sizes)."""
+    for found in run_ranks(2, moe_trainer.train, "moe_gpt", "aot_eager", 3, None, "gathered", timeout=900):
+        _check(found)
+
+
 def test_blocks_sharded_first_then_the_root() -> None:
     """Experts split by a block's shard call; the root's (default) call leaves them alone."""
     found = run_ranks(2, moe_trainer.train, "moe_gpt", "aot_eager", 2, None, "per_block", timeout=900)

@@ -64,7 +64,7 @@ __all__ = [
     "COMPILE_PHASE_FUNCTIONS",
     "all_gather_single",
     "c10d",
-    "dynamo_config",
+    "keep_shape_static",
     "dynamo_counters",
     "FakeTensor",
     "fake_from_meta",
@@ -111,8 +111,11 @@ def autograd_inside_op() -> Iterator[None]:
         yield
 
 
-# Dynamo's settings (a benchmark turns automatic dynamic shapes off).
-dynamo_config = torch._dynamo.config
+def keep_shape_static(t: torch.Tensor) -> None:
+    """Dynamo never makes ``t``'s sizes dynamic (automatic dynamic shapes would, for a plain
+    tensor read in a frame recompiled for another shape); nn.Parameters are static already."""
+    torch._dynamo.mark_static(t)
+
 
 # The traceable functional collectives (explicit wait_tensor) that Inductor lowers.
 c10d = torch.ops._c10d_functional

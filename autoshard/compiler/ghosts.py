@@ -32,6 +32,7 @@ from autoshard.runtime.leaves import Leaves, ghost_leaves
 from autoshard.runtime.ops import FAKE
 
 UNSHARD_ALL = torch.ops.autoshard.unshard_all.default
+ALIAS = torch.ops.aten.alias.default
 
 
 def _fake(value: torch.Tensor) -> Any:
@@ -56,6 +57,9 @@ def gather_ghosts(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[li
         leaves = ghost_leaves(x)
         if leaves is not None:
             found.append((i, node, leaves))
+            for read in [u for u in node.users if u.target is ALIAS]:  # each read (runtime/sharded.py)
+                read.replace_all_uses_with(node)
+                graph.erase_node(read)
     if not found:
         return list(example_inputs), ()
     inputs = list(example_inputs)

@@ -90,6 +90,8 @@ def describe(found: list[tuple[str, nn.Module]]) -> list[tuple]:
 def install(found: list[tuple[str, nn.Module]], mesh: DeviceMesh) -> None:
     """Split each experts module's parameters over ``mesh`` and give it the expert-parallel
     forward."""
+    if not found:  # experts="gathered", or all split by earlier calls: any mesh
+        return
     group_name, world = mesh.get_group().group_name, mesh.size()
     for name, m in found:
         local_module = copy.copy(m)  # runs this rank's experts: the module's own forward, local shards

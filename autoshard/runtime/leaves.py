@@ -42,7 +42,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from autoshard._compat import FakeTensor, tracing_for_backend
+from autoshard._compat import FakeTensor, keep_shape_static, tracing_for_backend
 
 LEAVES = "_autoshard_leaves"  # on each module owning sharded parameters: parameter name -> Leaves
 _ON_PARAM = "_autoshard_leaves"  # on the DTensor parameter itself: shared by every module using it (tied)
@@ -111,6 +111,10 @@ def _build(param: nn.Parameter, spec: Any) -> Leaves:
     dtype = spec.param_dtype or param.dtype
     ghost = one_element(param.shape, dtype, local.device, float("nan") if dtype.is_floating_point else 0.0)
     ghost.requires_grad_(param.requires_grad)
+    # Static, as parameters are: a frame reading it (a getter compiled on its own, after its
+    # caller was skipped) recompiled for another parameter's shape must not become one graph for
+    # every shape, whose gathers would keep the first parameter's sizes.
+    keep_shape_static(ghost)
     leaves = Leaves(param, leaf, ghost, spec)
     setattr(ghost, GHOST, leaves)
     setattr(param, _ON_PARAM, leaves)

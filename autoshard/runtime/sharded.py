@@ -91,6 +91,7 @@ class ShardedModule:
 # changes nothing Dynamo guards on in a compiled model.
 _as_shards = 0
 _is_compiling = torch.compiler.is_compiling  # a global: one attribute lookup less per traced read
+_alias = torch.ops.aten.alias.default
 
 
 def _getter(name: str) -> Callable[[nn.Module], torch.Tensor]:
@@ -109,7 +110,10 @@ def _getter(name: str) -> Callable[[nn.Module], torch.Tensor]:
             # full shape, which the backend gathers (autoshard/compiler/ghosts.py).
             ghost = getattr(self, ghost_attribute)
             if ghost is not None:
-                return ghost
+                # Through an op, not the ghost itself: a read that reaches code Dynamo does not
+                # trace (a graph break's call) is then the graph's output, gathered, rather than
+                # the ghost loaded back from this attribute. The capture removes the op.
+                return _alias(ghost)
             leaf = getattr(self, leaf_attribute)  # synced as the root's forward was traced (_checked_forward)
         else:
             leaf = leaves.synced(leaves.leaves_of(self, name))
