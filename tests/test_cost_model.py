@@ -208,7 +208,7 @@ def test_gpt_step(gpt):
 
     gathered = sum(_bytes(n) for n in nodes if n.target is c10d.all_gather_into_tensor.default)
     reduced = sum(_bytes(n.args[0]) for n in nodes if n.target is c10d.reduce_scatter_tensor.default)
-    assert result.comm_bytes == {"all_gather": gathered, "reduce_scatter": reduced, "all_reduce": 0}
+    assert result.comm_bytes == {"all_gather": gathered, "reduce_scatter": reduced, "all_reduce": 0, "all_to_all": 0}
     # Every parameter is gathered in forward and its gradient reduced in backward (padding
     # only adds); the backward gathers again what it needs.
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())

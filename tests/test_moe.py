@@ -121,8 +121,9 @@ def test_the_experts_predicate() -> None:
 
 
 def test_the_cost_model_prices_the_expert_exchange_and_the_experts() -> None:
-    """One MoE layer's op: its experts' matmuls, plus two all-to-alls of the routed rows in
-    forward (three units in backward, with the experts recomputed: 3x the FLOPs)."""
+    """One MoE layer's op: its experts' matmuls and its own kernels and row copies, plus two
+    all-to-alls of the routed rows in forward (in backward: the dispatch twice as wide, the
+    experts recomputed: 3x the FLOPs)."""
     from torch import fx
 
     from autoshard._compat import FakeTensorMode
@@ -145,9 +146,11 @@ def test_the_cost_model_prices_the_expert_exchange_and_the_experts() -> None:
         return node_time(g.call_function(op, args if op is EXPERT_PARALLEL else (nodes["g"], *args)), profile)
 
     flops = 2 * tokens * k * (2 * inner * width + width * inner)
-    overhead = profile.op_overhead + profile.launch_overhead
-    exchange = collective_time("reduce_scatter", tokens * k * width * 4, world, profile)
-    assert priced(EXPERT_PARALLEL, 1) == pytest.approx(overhead + flops / profile.flops_per_s(torch.float32))
-    assert priced(EXPERT_PARALLEL, world) == pytest.approx(overhead + flops / profile.flops_per_s(torch.float32) + 2 * exchange)
-    assert priced(EXPERT_PARALLEL_BACKWARD, world) == pytest.approx(overhead + 3 * flops / profile.flops_per_s(torch.float32)
-                                                                     + 3 * exchange)
+    unit = tokens * k * width * 4
+    forward = profile.op_overhead + 8 * profile.launch_overhead + 4 * unit / profile.mem_bandwidth
+    backward = profile.op_overhead + 16 * profile.launch_overhead + 8 * unit / profile.mem_bandwidth
+    exchange = collective_time("reduce_scatter", unit, world, profile)
+    assert priced(EXPERT_PARALLEL, 1) == pytest.approx(forward + flops / profile.flops_per_s(torch.float32))
+    assert priced(EXPERT_PARALLEL, world) == pytest.approx(forward + flops / profile.flops_per_s(torch.float32) + 2 * exchange)
+    assert priced(EXPERT_PARALLEL_BACKWARD, world) == pytest.approx(
+        backward + 3 * flops / profile.flops_per_s(torch.float32) + collective_time("reduce_scatter", 2 * unit, world, profile) + exchange)

@@ -109,13 +109,35 @@ _ALLOCATIONS = (torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided
 _READS_WHAT_IT_WRITES = (torch.ops.aten.narrow_copy.default,)
 
 
-def expert_parallel_time(node: fx.Node, profile: str | DeviceProfile) -> float:
-    """Seconds of one ``autoshard::expert_parallel`` (or its backward) call: the local experts'
-    matmuls on the tokens routed to them (as many, on average, as this rank sends: ``T * k``)
-    and the all-to-alls of ``T * k`` token rows, each priced as a ring reduce-scatter of that
-    buffer (``(n-1)`` latencies, ``(n-1)/n`` of the bytes cross). Forward: 2 exchanges, the
-    experts once. Backward: 2 exchanges of twice the width and one of the width (3 units), the
-    experts recomputed and differentiated (3x the forward's FLOPs)."""
+# (kernels launched, row buffers copied) by one expert-parallel call, forward and backward: the
+# routing (sort, counts), the row gathers and scatters, the experts' matmuls and activation
+# (their autograd's in backward); what autoshard/runtime/expert_ops.py runs, counted by hand.
+_EXPERT_KERNELS = {False: (8, 4), True: (16, 8)}
+
+
+class ExpertExchanges(NamedTuple):
+    """One ``autoshard::expert_parallel`` (or backward) call split as the simulator plays it:
+    the local experts' compute, and its all-to-alls (seconds and full-buffer bytes each) over
+    its group: the dispatch before the experts run, the combine after."""
+
+    compute: float
+    dispatch: tuple[float, int]
+    combine: tuple[float, int]
+    group: str
+    ranks: tuple[int, ...]
+
+
+def expert_parallel_parts(node: fx.Node, profile: str | DeviceProfile) -> ExpertExchanges:
+    """:func:`expert_parallel_time`'s terms: the local experts' matmuls on the tokens routed
+    to them (as many, on average, as this rank sends: ``T * k``) and the all-to-alls of
+    ``T * k`` token rows, each priced as a ring reduce-scatter of that buffer (``(n-1)``
+    latencies, ``(n-1)/n`` of the bytes cross). Forward: dispatch and combine one row width
+    each, the experts once. Backward: the dispatch carries tokens and output gradients (twice
+    the width), the combine the input gradients, the experts recomputed and differentiated
+    (3x the forward's FLOPs). Around them, the op's own kernels: a launch each
+    (:data:`_EXPERT_KERNELS`) and its row copies at memory bandwidth (sorting rows by expert and
+    back: 4 row buffers read or written in forward, 8 in backward), which a small model's step
+    is made of as much as of the matmuls."""
     profile = get_profile(profile)
     found = arguments(node.target, node.args, node.kwargs)
     hidden, index = _val(found["hidden"]), _val(found["top_k_index"])
@@ -123,10 +145,24 @@ def expert_parallel_time(node: fx.Node, profile: str | DeviceProfile) -> float:
     rows = index.shape[0] * index.shape[1]
     flops = 2 * rows * sum(w.numel() // w.shape[0] for w in weights)  # one expert's weights per routed row
     backward = node.target is EXPERT_PARALLEL_BACKWARD
-    units = 3 if backward else 2
-    exchange = collective_time("reduce_scatter", rows * hidden.shape[1] * hidden.element_size(), found["world_size"], profile)
-    compute = (3 if backward else 1) * flops / profile.flops_per_s(hidden.dtype)
-    return profile.op_overhead + profile.launch_overhead + compute + units * exchange
+    unit = rows * hidden.shape[1] * hidden.element_size()
+    ranks = group_ranks(found["group_name"]) or tuple(range(found["world_size"]))
+
+    def exchange(nbytes: int) -> tuple[float, int]:
+        return collective_time("reduce_scatter", nbytes, ranks, profile), nbytes
+
+    kernels, copies = _EXPERT_KERNELS[backward]
+    compute = (profile.op_overhead + kernels * profile.launch_overhead + (3 if backward else 1) * flops / profile.flops_per_s(hidden.dtype)
+               + copies * unit / profile.mem_bandwidth)
+    return ExpertExchanges(compute, exchange((2 if backward else 1) * unit), exchange(unit), found["group_name"], ranks)
+
+
+def expert_parallel_time(node: fx.Node, profile: str | DeviceProfile) -> float:
+    """Seconds of one ``autoshard::expert_parallel`` (or its backward) call, its all-to-alls
+    included (the op blocks the compute stream while they run): :func:`expert_parallel_parts`
+    summed."""
+    parts = expert_parallel_parts(node, profile)
+    return parts.compute + parts.dispatch[0] + parts.combine[0]
 
 
 def node_time(node: fx.Node, profile: str | DeviceProfile) -> float:

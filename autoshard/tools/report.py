@@ -17,7 +17,7 @@ import torch.distributed as dist
 from tabulate import tabulate
 from torch import fx
 
-from autoshard.compiler.cost_model import COLLECTIVE_KINDS, DeviceProfile, collective_of, get_profile
+from autoshard.compiler.cost_model import DeviceProfile, collective_of, get_profile
 from autoshard.compiler.pipeline import STAGES
 from autoshard.passes.graph_utils import parameter_reads
 from autoshard.passes.schedule import PLAN
@@ -31,7 +31,7 @@ from autoshard.tools.report_svg import fmt_bytes as _fmt_bytes
 from autoshard.tools.report_svg import fmt_energy as _fmt_energy
 from autoshard.tools.report_svg import fmt_time as _fmt_time
 from autoshard.tools.report_view import ComputeGroup
-from autoshard.tools.simulator import Event, StepAnalysis, analyze
+from autoshard.tools.simulator import EVENT_KINDS, Event, StepAnalysis, analyze
 
 __all__ = ["STAGES", "ComputeGroup", "PassSummary", "Report", "op_label", "summarize_pass"]
 
@@ -111,7 +111,7 @@ class Report:
             "shard_bytes": shard_bytes,
             "forward_buckets": sum(1 for e in events if e.stage == "forward"),
             "backward_buckets": sum(1 for e in events if e.stage == "backward"),
-            "collectives": {k: sum(1 for e in events if e.kind == k) for k in COLLECTIVE_KINDS},
+            "collectives": {k: sum(1 for e in events if e.kind == k) for k in EVENT_KINDS},
             "comm_bytes": dict(a.comm_bytes),
             "step_time": a.step_time,
             "compute_time": a.compute_time,

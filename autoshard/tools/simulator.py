@@ -13,10 +13,23 @@ from dataclasses import dataclass, field
 
 from torch import fx
 
-from autoshard.compiler.cost_model import DeviceProfile, collective_of, collective_time, get_profile, node_time, schedule_config
+from autoshard.compiler.cost_model import (
+    DeviceProfile,
+    collective_of,
+    collective_time,
+    expert_parallel_parts,
+    get_profile,
+    node_time,
+    schedule_config,
+)
 from autoshard.passes.graph_utils import COLLECTIVE_KINDS, PARAMS, is_wait
 from autoshard.passes.schedule_config import ScheduleConfig
+from autoshard.runtime.expert_ops import EXPERT_PARALLEL, EXPERT_PARALLEL_BACKWARD
 from autoshard.tools.liveness import CATEGORIES, Liveness, MemoryPeak, Order, categorize, issuer, peak_of, saved_sources
+
+ALL_TO_ALL = "all_to_all"  # an expert-parallel op's exchanges: a kind of event and of comm_bytes
+EVENT_KINDS = (*COLLECTIVE_KINDS, ALL_TO_ALL)
+_EXPERT_OPS = (EXPERT_PARALLEL, EXPERT_PARALLEL_BACKWARD)
 
 
 @dataclass(frozen=True)
@@ -100,7 +113,7 @@ def _simulate(order: Order, sources: dict[fx.Node, fx.Node], profile: DeviceProf
     stream_free: dict[str, float] = {}  # per process group
     busy: dict[str, float] = {}
     ends: dict[fx.Node, float] = {}
-    comm_bytes = dict.fromkeys(COLLECTIVE_KINDS, 0)
+    comm_bytes = dict.fromkeys(EVENT_KINDS, 0)
     timeline: list[Event] = []
     event_of: dict[fx.Node, int] = {}  # collective -> its index in timeline
     exposed: dict[fx.Node, float] = {}
@@ -129,6 +142,26 @@ def _simulate(order: Order, sources: dict[fx.Node, fx.Node], profile: DeviceProf
                 stalls.append(Stall(clock, ends[waited], timeline[event_of[waited]].stage, waited.name))
                 exposed[waited] += ends[waited] - clock
                 clock = ends[waited]
+        elif node.target in _EXPERT_OPS:
+            # The op runs its all-to-alls inside, blocking: each waits for its group's stream
+            # and compute waits for it, so each is exposed whole (dispatch, experts, combine).
+            parts = expert_parallel_parts(node, profile)
+            for name, exchange in ((f"{node.name}.dispatch", parts.dispatch), (None, None), (f"{node.name}.combine", parts.combine)):
+                if name is None:
+                    timeline.append(Event("compute", node.name, clock, clock + parts.compute, stage))
+                    clock += parts.compute
+                    compute_time += parts.compute
+                    continue
+                duration, nbytes = exchange
+                start = max(clock, stream_free.get(parts.group, 0.0))
+                stream_free[parts.group] = start + duration
+                busy[parts.group] = busy.get(parts.group, 0.0) + duration
+                comm_bytes[ALL_TO_ALL] += nbytes
+                timeline.append(Event(f"comm:{parts.group}", name, start, start + duration, stage, ALL_TO_ALL, nbytes,
+                                      exposed=start + duration - clock))
+                if start + duration > clock:
+                    stalls.append(Stall(clock, start + duration, stage, name))
+                clock = start + duration
         elif duration := node_time(node, profile):
             timeline.append(Event("compute", node.name, clock, clock + duration, stage))
             clock += duration
