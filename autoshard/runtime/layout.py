@@ -25,6 +25,7 @@ class ShardLayout:
     blocks: tuple[str, ...] = ()
     block_strategy: str = ""
     block_mesh_shape: tuple[int, ...] = ()
+    experts: str = "gathered"  # the root's experts modules: "parallel" splits them over every rank (shard's experts=)
 
 
 def local_chunk(full: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...] | list[Placement]) -> torch.Tensor:

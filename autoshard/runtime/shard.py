@@ -62,16 +62,17 @@ def _default_mesh(module: nn.Module, shape: tuple[int, ...] | None = None) -> De
     return init_device_mesh(device, shape or (dist.get_world_size(),))
 
 
-def _planned(module: nn.Module, given: Any, mesh: DeviceMesh | None, strategy: str, mixed_precision: MixedPrecision | None) -> tuple:
-    """The mesh, strategy and mixed precision of a :class:`ShardLayout` (or of an
-    ``autoshard.Plan``'s ``layout``) for the root, after sharding the blocks it lays out
+def _planned(module: nn.Module, given: Any, mesh: DeviceMesh | None, strategy: str, mixed_precision: MixedPrecision | None,
+             experts: str) -> tuple:
+    """The mesh, strategy, mixed precision and experts layout of a :class:`ShardLayout` (or of
+    an ``autoshard.Plan``'s ``layout``) for the root, after sharding the blocks it lays out
     otherwise (every name checked first)."""
     plan = getattr(given, "layout", given)  # an autoshard.Plan carries its layout
     if not isinstance(plan, ShardLayout):
         raise UsageError(f"autoshard.shard: plan= takes an autoshard.Plan or a ShardLayout, got {type(given).__name__}; "
                          "make one with autoshard.plan.")
-    if mesh is not None or strategy != "full" or mixed_precision is not None:
-        raise ValueError("autoshard.shard: pass either plan= or mesh/strategy/mixed_precision, not both: the plan chooses them.")
+    if mesh is not None or strategy != "full" or mixed_precision is not None or experts != "gathered":
+        raise ValueError("autoshard.shard: pass either plan= or mesh/strategy/mixed_precision/experts, not both: the plan chooses them.")
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world != plan.world_size:
         raise ValueError(f"autoshard.shard: the plan was made for {plan.world_size} ranks but this process group has {world}; "
@@ -86,12 +87,12 @@ def _planned(module: nn.Module, given: Any, mesh: DeviceMesh | None, strategy: s
         raise ValueError(f"autoshard.shard: the plan lays out {missing[0]!r}, which {type(module).__name__} does not have; "
                          "plan again for this model.")
     if not dist.is_initialized():
-        return None, plan.strategy, None  # world size 1: nothing to shard
+        return None, plan.strategy, None, plan.experts  # world size 1: nothing to shard
     if plan.blocks:  # blocks first, then the root, as with FSDP2's fully_shard
         block_mesh = _default_mesh(module, tuple(plan.block_mesh_shape))
         for name in plan.blocks:
             shard(module.get_submodule(name), block_mesh, strategy=plan.block_strategy, mixed_precision=plan.mixed_precision)
-    return _default_mesh(module, tuple(plan.mesh_shape)), plan.strategy, plan.mixed_precision
+    return _default_mesh(module, tuple(plan.mesh_shape)), plan.strategy, plan.mixed_precision, plan.experts
 
 
 def _has(module: nn.Module, name: str) -> bool:
@@ -200,9 +201,9 @@ def shard(
             ``param_dtype``, reduce gradients in ``reduce_dtype``; the sharded parameters and
             the optimizer state keep their dtype.
         plan: an :class:`autoshard.Plan` (:func:`autoshard.plan`) or its ``layout`` (a
-            :class:`ShardLayout`): its strategy and precision
-            on the mesh it describes, built over every rank (instead of ``mesh``, ``strategy``
-            and ``mixed_precision``).
+            :class:`ShardLayout`): its strategy, precision and experts layout
+            on the mesh it describes, built over every rank (instead of ``mesh``, ``strategy``,
+            ``mixed_precision`` and ``experts``).
         batch_shares: each rank's share of the global batch, one positive number per rank
             (sample counts such as ``[3, 1]``, or fractions), or an ``autoshard.Plan``
             carrying ``batch_shares``: see :func:`autoshard.set_batch_shares`. Default: the
@@ -225,7 +226,7 @@ def shard(
     if not, every rank raises the same ``ValueError`` naming the first difference.
     """
     if plan is not None:
-        mesh, strategy, mixed_precision = _planned(module, plan, mesh, strategy, mixed_precision)
+        mesh, strategy, mixed_precision, experts = _planned(module, plan, mesh, strategy, mixed_precision, experts)
         if batch_shares is None:  # a plan for a mixed cluster chose them
             batch_shares = getattr(plan, "batch_shares", None)
     _check(module, mesh, strategy, reshard_after_forward, mixed_precision)

@@ -1,7 +1,8 @@
 """``autoshard.plan``: choose the sharding strategy for the user, on fake ranks.
 
 Each candidate layout of the world (full shard, ZeRO-2, replicate, and hybrid sharding with a
-shard group of 1, 2, 4, ... nodes) is compiled for one training step as ``autoshard.explain``
+shard group of 1, 2, 4, ... nodes; for a mixture-of-experts model, the 1-D ones also with the
+experts split over every rank, ``experts="parallel"``) is compiled for one training step as ``autoshard.explain``
 compiles it, with the memory budget's schedule decisions inside, and played on the cost
 model; a layout whose lower bounds (:mod:`autoshard.tools.plan_layouts`: its collectives
 alone, its shards, gradients and optimizer state alone) already lose is not compiled. Where
@@ -57,7 +58,8 @@ def _sharding(factory: Callable[[], nn.Module], c: Candidate) -> Callable[[], nn
             block_mesh = init_device_mesh("cpu", c.block_mesh_shape)
             for name in c.blocks:
                 shard(model.get_submodule(name), block_mesh, strategy=c.block_strategy, mixed_precision=precision)
-        return shard(model, init_device_mesh("cpu", c.mesh_shape), strategy=c.strategy, mixed_precision=precision)
+        return shard(model, init_device_mesh("cpu", c.mesh_shape), strategy=c.strategy, mixed_precision=precision,
+                     experts=c.experts)
 
     return make
 
@@ -164,10 +166,14 @@ def _mixed(search: _Search, blocks: tuple[str, ...], precision: str) -> None:
     nothing hides them. The count comes from the state each block moves, then from what the
     compiled try showed a block to cost (:data:`TRIES` compiles at most: halfway back after a
     miss, halfway on to the predicted count after a fit that left room)."""
-    slow = search.fastest_fitting(precision)
+    # Only between gathered-experts layouts: experts="parallel" needs the 1-D mesh of every rank
+    # for every experts module, which a block on a hybrid mesh does not have.
+    gathered = [o for o in search.fitting(precision) if o.candidate.experts == "gathered"]
+    slow = min(gathered, key=lambda o: (o.step_time, o.peak_bytes), default=None)
     if slow is None or not blocks or not slow.candidate.whole:
         return
     faster = [o.candidate for o in search.outcomes if o.candidate.precision == precision and o.candidate.whole
+              and o.candidate.experts == "gathered"
               and (o.error == OVER_BUDGET or (o.error is None and o.peak_bytes > search.limit))
               and search.bounds.step(o.candidate) < slow.step_time]
     if not faster:
@@ -256,7 +262,7 @@ def plan(
     limit = _limit_bytes(memory_budget_gb)
     search = _Search(factory, example_args, {"world_size": world_size, "profile": device, **budget, **options},
                      Bounds(params, device, states), limit, ranks_per_node, progress, cluster, memory_budget_gb)
-    whole = candidates(world_size, ranks_per_node, tuple(precisions))
+    whole = candidates(world_size, ranks_per_node, tuple(precisions), params.expert_parallel(world_size))
     # The baselines first, always compiled (full shard, hybrid over one node); then the mixed
     # layouts between them, whose steps let the bounds rule out more of the rest; then the rest.
     baselines = [c for c in whole if c.strategy == "full" or c.mesh_shape == (world_size // ranks_per_node, ranks_per_node)]
@@ -290,7 +296,7 @@ def plan(
     shares = tuple(t.share for t in chosen.types for _ in range(t.ranks)) if mixed else None
     return Plan(best.strategy, best.mesh_shape, world_size, ranks_per_node, cluster.label if mixed else device.name,
                 memory_budget_gb, tuple(outcomes), best.precision, best.blocks, best.block_strategy, best.block_mesh_shape,
-                _tokens(example_args, world_size), shares, cluster)
+                _tokens(example_args, world_size), shares, cluster, best.experts)
 
 
 def _tokens(example_args: tuple, world_size: int) -> int | None:

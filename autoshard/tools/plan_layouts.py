@@ -8,6 +8,12 @@ below: the bytes its collectives must move on their busiest stream (every parame
 and every gradient reduced once per use, in one collective each: splitting only adds
 latency), and the per-rank state no schedule avoids (shards, gradients and optimizer state).
 The planner compiles a layout only when these bounds leave it a chance to be chosen.
+
+A model with experts modules (:func:`autoshard.runtime.experts.is_experts`) whose expert
+counts the world divides also gets each 1-D layout with its experts split over every rank
+(``experts="parallel"``, the only degree built): the experts' bytes then leave the gathers and
+reductions and stay 1/N per rank; the bound leaves out the all-to-alls, whose sizes follow the
+tokens (a lower bound stays one).
 """
 from __future__ import annotations
 
@@ -16,6 +22,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from autoshard.compiler.cost_model import DeviceProfile, collective_time
+from autoshard.runtime.experts import is_experts
 
 PRECISIONS = ("fp32", "bf16")  # bf16: gathered and computed in bfloat16, gradients reduced in float32
 
@@ -33,12 +40,14 @@ class Candidate:
     blocks: tuple[str, ...] = ()
     block_strategy: str = ""
     block_mesh_shape: tuple[int, ...] = ()
+    experts: str = "gathered"  # "parallel": the experts modules split over every rank (shard's experts=)
 
     def label(self, ranks_per_node: int) -> str:
         name = _layout_label(self.strategy, self.mesh_shape, ranks_per_node)
         if self.blocks:
             span = self.blocks[0] if len(self.blocks) == 1 else f"{self.blocks[0]}..{self.blocks[-1]}"
             name += f"; {_layout_label(self.block_strategy, self.block_mesh_shape, ranks_per_node)} for {span}"
+        name += ", experts parallel" if self.experts == "parallel" else ""
         return name if self.precision == "fp32" else f"{name}, {self.precision}"
 
     @property
@@ -48,7 +57,7 @@ class Candidate:
 
     def mixed(self, blocks: tuple[str, ...], fast: Candidate) -> Candidate:
         """This layout with ``blocks`` laid out as ``fast`` is."""
-        return Candidate(self.strategy, self.mesh_shape, self.precision, tuple(blocks), fast.strategy, fast.mesh_shape)
+        return Candidate(self.strategy, self.mesh_shape, self.precision, tuple(blocks), fast.strategy, fast.mesh_shape, self.experts)
 
 
 def _layout_label(strategy: str, mesh_shape: tuple[int, ...], ranks_per_node: int) -> str:
@@ -58,9 +67,11 @@ def _layout_label(strategy: str, mesh_shape: tuple[int, ...], ranks_per_node: in
     return f"hybrid, shard over {nodes:g} node{'s' if nodes != 1 else ''}"
 
 
-def candidates(world_size: int, ranks_per_node: int, precisions: tuple[str, ...] = ("fp32",)) -> list[Candidate]:
+def candidates(world_size: int, ranks_per_node: int, precisions: tuple[str, ...] = ("fp32",),
+               expert_parallel: bool = False) -> list[Candidate]:
     """The whole-model layouts searched, in the order ties are broken: full shard first, each
-    layout in every precision of ``precisions``."""
+    layout in every precision of ``precisions``; with ``expert_parallel``, each 1-D layout
+    also with its experts split over every rank (after its gathered twin: a tie keeps today's)."""
     layouts = [("full", (world_size,)), ("grad_op", (world_size,))]
     shard_size = ranks_per_node
     while shard_size < world_size:
@@ -68,7 +79,9 @@ def candidates(world_size: int, ranks_per_node: int, precisions: tuple[str, ...]
             layouts.append(("hybrid", (world_size // shard_size, shard_size)))
         shard_size *= 2
     layouts.append(("replicate", (world_size,)))
-    return [Candidate(strategy, shape, precision) for strategy, shape in layouts for precision in precisions]
+    experts = lambda shape: ("gathered", "parallel") if expert_parallel and len(shape) == 1 else ("gathered",)  # noqa: E731
+    return [Candidate(strategy, shape, precision, experts=e) for strategy, shape in layouts for e in experts(shape)
+            for precision in precisions]
 
 
 def repeated_blocks(model: nn.Module) -> tuple[str, ...]:
@@ -97,6 +110,12 @@ class Params:
     trainable_nbytes: int
     element_size: float  # bytes per element, on average
     blocks: dict[str, tuple[int, int]]  # repeated block -> (nbytes, trainable nbytes)
+    experts: tuple[int, int] = (0, 0)  # the experts modules' (nbytes, trainable nbytes)
+    expert_counts: tuple[int, ...] = ()  # experts in each experts module
+
+    def expert_parallel(self, world_size: int) -> bool:
+        """Whether ``experts="parallel"`` can split every experts module over ``world_size`` ranks."""
+        return bool(self.expert_counts) and world_size > 1 and all(e % world_size == 0 for e in self.expert_counts)
 
     @staticmethod
     def of(model: nn.Module) -> Params:
@@ -107,7 +126,11 @@ class Params:
 
         nbytes, trainable, numel = sizes(model)
         blocks = {name: sizes(model.get_submodule(name))[:2] for name in repeated_blocks(model)}
-        return Params(nbytes, trainable, nbytes / max(numel, 1), blocks)
+        found = [m for m in model.modules() if is_experts(m)]
+        experts = [sizes(m)[:2] for m in found]  # is_experts: their own parameters only, no children
+        counts = tuple(next(iter(m.parameters())).shape[0] for m in found)
+        return Params(nbytes, trainable, nbytes / max(numel, 1), blocks, (sum(e[0] for e in experts), sum(e[1] for e in experts)),
+                      counts)
 
 
 def _shard_size(strategy: str, mesh_shape: tuple[int, ...]) -> int:
@@ -129,6 +152,9 @@ class Bounds:
         blocks = [p.blocks[name] for name in c.blocks]
         nbytes, trainable = sum(b[0] for b in blocks), sum(b[1] for b in blocks)
         parts = [(c.strategy, c.mesh_shape, p.nbytes - nbytes, p.trainable_nbytes - trainable)]
+        if c.experts == "parallel":  # a whole-model layout only: the experts' bytes leave the root's part
+            e, et = p.experts
+            parts = [(c.strategy, c.mesh_shape, p.nbytes - e, p.trainable_nbytes - et), ("experts", c.mesh_shape, e, et)]
         return parts + ([(c.block_strategy, c.block_mesh_shape, nbytes, trainable)] if blocks else [])
 
     def memory(self, c: Candidate) -> float:
@@ -173,6 +199,8 @@ class Bounds:
             gather = int(self._gather_bytes(nbytes, c.precision))
             reduce = int(trainable * 4 / self.params.element_size if c.precision == "bf16" else trainable)  # bf16: reduced in float32
             world = shape[0] * (shape[1] if len(shape) > 1 else 1)
+            if strategy == "experts":  # never gathered nor reduce-scattered; the all-to-alls are left out
+                continue
             if strategy == "replicate":
                 moves.setdefault(tuple(range(world)), []).append(("all_reduce", reduce))
                 continue

@@ -59,10 +59,12 @@ class Plan:
     # Each global rank's fraction of the global batch (summing to 1); None: even. Set on a mixed cluster.
     batch_shares: tuple[float, ...] | None = None
     cluster: Cluster | None = None
+    experts: str = "gathered"  # "parallel": the experts modules split over every rank (autoshard.shard's experts=)
 
     @property
     def candidate(self) -> Candidate:
-        return Candidate(self.strategy, self.mesh_shape, self.precision, self.blocks, self.block_strategy, self.block_mesh_shape)
+        return Candidate(self.strategy, self.mesh_shape, self.precision, self.blocks, self.block_strategy, self.block_mesh_shape,
+                         self.experts)
 
     @property
     def chosen(self) -> Outcome:
@@ -72,7 +74,7 @@ class Plan:
     def layout(self) -> ShardLayout:
         """What ``autoshard.shard(model, plan=...)`` applies."""
         return ShardLayout(self.strategy, tuple(self.mesh_shape), self.world_size, self.mixed_precision, tuple(self.blocks),
-                           self.block_strategy, tuple(self.block_mesh_shape))
+                           self.block_strategy, tuple(self.block_mesh_shape), self.experts)
 
     @property
     def mixed_precision(self) -> MixedPrecision | None:
@@ -103,6 +105,8 @@ class Plan:
             within, across = (fmt_bytes(b) for b in o.link_bytes) if o.link_bytes else ("", "")
             lines.append(f"{name:{width}s} {mesh:>16s} {fmt_time(o.step_time):>10s} {o.exposed_comm / o.step_time:8.1%} "
                          f"{fmt_bytes(o.peak_bytes):>14s} {within:>12s} {across:>12s} {energy:>12s}{kwh}{over}")
+        if self.experts == "parallel":
+            lines.append(f"experts modules: split over all {self.world_size} ranks (experts='parallel'), tokens sent to them by all-to-all")
         if not self.candidate.whole:
             lines.append(f"{len(self.blocks)} blocks ({', '.join(self.blocks[:3])}{', ...' if len(self.blocks) > 3 else ''}): "
                          f"{self.block_strategy} on {self.block_mesh_shape}; the rest: {self.strategy} on {self.mesh_shape}")
