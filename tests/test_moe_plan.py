@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 
+import pytest
 import torch
 from moe_balanced import build
 from moe_gpt import MoEConfig
@@ -51,6 +52,23 @@ def test_the_report_shows_the_all_to_alls_as_exposed_communication() -> None:
     # Compute no longer holds them: the step is compute plus exposed communication.
     a = report.analysis
     assert a.step_time == a.compute_time + a.exposed_comm
+
+
+@pytest.mark.parametrize("world", [64, 1024])
+def test_expert_parallelism_compiles_on_large_fake_worlds(world: int) -> None:
+    """One MoE layer of 1024 small experts split over 64 and 1024 fake ranks: one graph, no
+    expert gathered, the exchanges' bytes as priced (forward 2 units of T*k rows, backward 3)."""
+    cfg = MoEConfig(n_embd=64, n_expert=1024, expert_hidden=16, block_size=512, n_layer=1)
+
+    def factory():
+        return autoshard.shard(build(cfg), torch.distributed.device_mesh.init_device_mesh("cpu", (world,)), experts="parallel")
+
+    report = autoshard.explain(factory, _tokens(cfg), _tokens(cfg), world_size=world, profile="h100")
+    unit = cfg.block_size * cfg.top_k * cfg.n_embd * 4
+    assert report.metrics["collectives"]["all_to_all"] == 4
+    assert report.metrics["comm_bytes"]["all_to_all"] == 5 * unit
+    gathered = {p for e in report.collectives() if e.kind == "all_gather" for p in e.params}
+    assert gathered and not any("experts" in p for p in gathered)
 
 
 def test_the_plan_splits_wide_experts_and_the_summary_says_so(tmp_path) -> None:
