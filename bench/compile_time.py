@@ -27,9 +27,10 @@ system's fastest of N compiles (alternating which runs first) is kept.
 ``--warm``: restart time instead. Per depth, inner compiler and system, one process compiles
 with an empty cache directory (cold), then a second process, the same code, model and cache
 directory, compiles again (warm), FX-graph and AOT-autograd caches on as PyTorch ships them;
-``warm_vs_plain`` is autoshard's warm total over plain's::
+``warm_vs_plain`` is autoshard's warm total over plain's; with ``--repeat N``, N warm
+processes per system (taking turns), the fastest kept::
 
-    python bench/compile_time.py --warm --layers 4 16 --compilers aot_eager inductor
+    python bench/compile_time.py --warm --repeat 3 --layers 4 16 48 --compilers aot_eager inductor
 
 ``--calls``: Python function calls per phase (millions, cProfile) instead of seconds: slower,
 but a count repeats from run to run where this machine's times move by tens of percent::
@@ -225,19 +226,24 @@ def _measure_in_child(system: str, compiler: str, layers: int, world_size: int, 
         return _child(system, compiler, layers, world_size, cache, False, count_calls)
 
 
-def run_warm(layers: list[int], compilers: list[str], world_size: int) -> list[dict[str, Any]]:
-    """Per depth and inner compiler, each system cold then warm (two processes, one cache directory)."""
+def run_warm(layers: list[int], compilers: list[str], world_size: int, repeat: int = 1) -> list[dict[str, Any]]:
+    """Per depth and inner compiler, each system cold then warm (two processes, one cache
+    directory). With ``repeat`` N, N warm processes per system, the systems taking turns (which
+    goes first alternates), and each system's fastest kept: on a shared machine one process's
+    time moves by more than the difference being measured."""
     rows = []
     for compiler in compilers:
         for n in layers:
-            got: dict[str, dict[str, float]] = {}
-            for system in SYSTEMS:
-                with tempfile.TemporaryDirectory() as cache:
-                    for when in ("cold", "warm"):
+            got: dict[str, dict[str, float]] = {s: {} for s in SYSTEMS}
+            with tempfile.TemporaryDirectory() as plain_cache, tempfile.TemporaryDirectory() as autoshard_cache:
+                caches = dict(zip(SYSTEMS, (plain_cache, autoshard_cache)))
+                rounds = [("cold", SYSTEMS)] + [("warm", SYSTEMS if r % 2 == 0 else SYSTEMS[::-1]) for r in range(repeat)]
+                for when, order in rounds:
+                    for system in order:
                         print(f"{compiler} {n} layers {system} {when} ...", end=" ", file=sys.stderr, flush=True)
-                        total = _child(system, compiler, n, world_size, cache, True)["total"]
+                        total = _child(system, compiler, n, world_size, caches[system], True)["total"]
                         print(f"{total:.2f} s", file=sys.stderr, flush=True)
-                        got.setdefault(system, {})[when] = total
+                        got[system][when] = min(total, got[system].get(when, float("inf")))
             for system in SYSTEMS:
                 rows.append({"compiler": compiler, "layers": n, "system": system, **got[system],
                              "warm_vs_plain": got[system]["warm"] / got["plain"]["warm"]})
@@ -266,7 +272,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", nargs="+", type=int, default=[4, 16, 48])
     parser.add_argument("--compilers", nargs="+", choices=COMPILERS, default=list(COMPILERS))
-    parser.add_argument("--repeat", type=int, default=1, help="compiles per system and size; the fastest is kept")
+    parser.add_argument("--repeat", type=int, default=1, help="compiles (--warm: warm restarts) per system and size; fastest kept")
     parser.add_argument("--world-size", type=int, default=8)
     parser.add_argument("--calls", action="store_true", help="count Python calls per phase instead of timing it")
     parser.add_argument("--warm", action="store_true", help="cold then warm compile (2nd process, same cache directory)")
@@ -281,7 +287,7 @@ def main() -> None:
     from tabulate import tabulate
 
     if args.warm:
-        rows = run_warm(args.layers, args.compilers, args.world_size)
+        rows = run_warm(args.layers, args.compilers, args.world_size, args.repeat)
         print(f"GPT width {WIDTH['n_embd']}, seq {WIDTH['block_size']}, batch {BATCH}; autoshard at world size "
               f"{args.world_size} (fake process group); seconds of the first training step's compile, in a process "
               "with an empty cache directory (cold) and in a second one with the same directory (warm)")

@@ -100,3 +100,29 @@ def test_the_collector_is_off_while_compiling_and_on_again_after(monkeypatch):
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_warm_restarts_keep_each_systems_fastest_of_repeat_and_share_one_cache_per_system(monkeypatch):
+    """--warm --repeat 3: one cold process per system, then three warm ones taking turns (the
+    order alternates), each system's warm processes on its own cold one's cache directory."""
+    times = {("plain", "cold"): [10.0], ("plain", "warm"): [3.0, 1.0, 2.0],
+             ("autoshard", "cold"): [12.0], ("autoshard", "warm"): [1.5, 2.5, 1.2]}
+    seen: list[tuple[str, str]] = []
+    caches: dict[str, set[str]] = {}
+
+    def child(system, compiler, layers, world_size, cache, caches_on):
+        assert caches_on
+        when = "cold" if system not in caches else "warm"
+        caches.setdefault(system, set()).add(cache)
+        seen.append((system, when))
+        return {"total": times[system, when][sum(1 for s in seen if s == (system, when)) - 1]}
+
+    monkeypatch.setattr(compile_time, "_child", child)
+    rows = compile_time.run_warm([4], ["aot_eager"], 8, repeat=3)
+    assert seen == [("plain", "cold"), ("autoshard", "cold"), ("plain", "warm"), ("autoshard", "warm"),
+                    ("autoshard", "warm"), ("plain", "warm"), ("plain", "warm"), ("autoshard", "warm")]
+    assert all(len(dirs) == 1 for dirs in caches.values()) and caches["plain"] != caches["autoshard"]
+    got = {r["system"]: r for r in rows}
+    assert (got["plain"]["cold"], got["plain"]["warm"]) == (10.0, 1.0)
+    assert (got["autoshard"]["cold"], got["autoshard"]["warm"]) == (12.0, 1.2)
+    assert got["autoshard"]["warm_vs_plain"] == 1.2
