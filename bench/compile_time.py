@@ -235,6 +235,7 @@ def run_warm(layers: list[int], compilers: list[str], world_size: int, repeat: i
     for compiler in compilers:
         for n in layers:
             got: dict[str, dict[str, float]] = {s: {} for s in SYSTEMS}
+            runs: dict[str, list[float]] = {s: [] for s in SYSTEMS}
             with tempfile.TemporaryDirectory() as plain_cache, tempfile.TemporaryDirectory() as autoshard_cache:
                 caches = dict(zip(SYSTEMS, (plain_cache, autoshard_cache)))
                 rounds = [("cold", SYSTEMS)] + [("warm", SYSTEMS if r % 2 == 0 else SYSTEMS[::-1]) for r in range(repeat)]
@@ -244,9 +245,10 @@ def run_warm(layers: list[int], compilers: list[str], world_size: int, repeat: i
                         total = _child(system, compiler, n, world_size, caches[system], True)["total"]
                         print(f"{total:.2f} s", file=sys.stderr, flush=True)
                         got[system][when] = min(total, got[system].get(when, float("inf")))
-            for system in SYSTEMS:
+                        runs[system].append(total)
+            for system in SYSTEMS:  # warm_runs: every warm process's total, in order (the spread)
                 rows.append({"compiler": compiler, "layers": n, "system": system, **got[system],
-                             "warm_vs_plain": got[system]["warm"] / got["plain"]["warm"]})
+                             "warm_vs_plain": got[system]["warm"] / got["plain"]["warm"], "warm_runs": runs[system][1:]})
     return rows
 
 

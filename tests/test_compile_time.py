@@ -125,4 +125,4 @@ def test_warm_restarts_keep_each_systems_fastest_of_repeat_and_share_one_cache_p
     got = {r["system"]: r for r in rows}
     assert (got["plain"]["cold"], got["plain"]["warm"]) == (10.0, 1.0)
     assert (got["autoshard"]["cold"], got["autoshard"]["warm"]) == (12.0, 1.2)
-    assert got["autoshard"]["warm_vs_plain"] == 1.2
+    assert got["autoshard"]["warm_vs_plain"] == 1.2 and got["autoshard"]["warm_runs"] == [1.5, 2.5, 1.2]
