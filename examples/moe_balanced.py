@@ -8,20 +8,14 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from moe_gpt import MoEConfig, MoEGPT
+from moe_gpt import Experts, MoEConfig, MoEGPT
 from torch import nn
 
 
-class BalancedExperts(nn.Module):
-    """Every expert's SwiGLU MLP (``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``) run on
-    a perfectly balanced routing: rows sorted by expert, ``T * k / E`` per expert, one
-    batched matmul. Static shapes: the simulator's stand-in for a dropless grouped matmul."""
-
-    def __init__(self, cfg: MoEConfig) -> None:
-        super().__init__()
-        self.num_experts = cfg.n_expert
-        self.gate_up_proj = nn.Parameter(torch.randn(cfg.n_expert, 2 * cfg.expert_hidden, cfg.n_embd) * 0.02)
-        self.down_proj = nn.Parameter(torch.randn(cfg.n_expert, cfg.n_embd, cfg.expert_hidden) * 0.02)
+class BalancedExperts(Experts):
+    """The example's experts (``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``) run on a
+    perfectly balanced routing: rows sorted by expert, ``T * k / E`` per expert, one batched
+    matmul. Static shapes: the simulator's stand-in for a dropless grouped matmul."""
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         tokens, k = top_k_index.shape

@@ -10,16 +10,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpt import CausalSelfAttention
+from gpt import CausalSelfAttention, GPTConfig
 
 
 @dataclass
-class MoEConfig:
-    vocab_size: int = 96
-    block_size: int = 64
-    n_layer: int = 2
-    n_head: int = 4
-    n_embd: int = 64
+class MoEConfig(GPTConfig):
+    """examples/gpt.py's sizes, and each block's experts."""
+
     n_expert: int = 8
     top_k: int = 2
     expert_hidden: int = 128
