@@ -141,68 +141,50 @@ def test_the_key_changes_with_what_changes_the_plan():
     assert len({keys[2], keys[4], *changed}) == 6
 
 
-def _mixed(cache_root: str) -> dict[str, Any]:
-    """A training step on this gloo rank, with this rank's own cache directory."""
+def _gloo_step(cache_root: str, batch_shares: list[int] | None = None) -> dict[str, Any]:
+    """A training step on this gloo rank, with this rank's own cache directory: the whole
+    global batch of 2 sequences, or this rank's share of 4 (``batch_shares``)."""
     import torch
+    import torch.distributed as dist
 
     import autoshard
     from autoshard._compat.caches import cache_counts
+    from autoshard.compiler import backend
 
     sys.path.insert(0, str(ROOT / "examples"))
-    import torch.distributed as dist
-
     from gpt import GPT, GPTConfig
 
+    agreed: list[bool] = []  # each compile's key exchange, as every rank saw it
+    real = backend.keys_agree
+    backend.keys_agree = lambda *args: agreed.append(real(*args)) or agreed[-1]
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache_root, f"rank{dist.get_rank()}")
     torch.manual_seed(0)
-    model = autoshard.shard(GPT(GPTConfig(n_layer=1, **WIDTH)))
+    model = autoshard.shard(GPT(GPTConfig(n_layer=1, **WIDTH)), batch_shares=batch_shares)
     compiled = torch.compile(model, backend="autoshard", options={"compiler": "inductor"})
-    idx = torch.randint(0, WIDTH["vocab_size"], (2, WIDTH["block_size"]), generator=torch.Generator().manual_seed(1))
-    loss = compiled(idx, idx)
+    idx = torch.randint(0, WIDTH["vocab_size"], (2 if batch_shares is None else 4, WIDTH["block_size"]),
+                        generator=torch.Generator().manual_seed(1))
+    mine = idx if batch_shares is None else autoshard.split_batch(idx, model)
+    loss = compiled(mine, mine)
     loss.backward()
-    return {"counts": cache_counts(), "loss": loss.item()}
+    grads = [p.grad.full_tensor().sum().item() for p in model.parameters() if p.grad is not None]
+    return {"counts": cache_counts(), "loss": loss.item(), "rows": mine.shape[0], "grads": grads, "agreed": agreed}
 
 
 def test_ranks_whose_compile_hits_run_with_ranks_whose_compile_misses(tmp_path, monkeypatch):
     """Rank 0's cache is warm, rank 1's empty: a plan exchange on the misses only would leave
-    rank 1 waiting for rank 0's plan; both exchange their cache key instead, and train."""
+    rank 1 waiting for rank 0's plan; both exchange their cache key instead, and train to the
+    gradients both computed when both missed."""
     from autoshard.tools.launch import run_ranks
 
     for var in _CACHE_SWITCHES:  # the ranks inherit this environment
         monkeypatch.delenv(var, raising=False)
     warm = tmp_path / "warm"
-    run_ranks(2, _mixed, str(warm), timeout=900)
+    cold, _ = run_ranks(2, _gloo_step, str(warm), timeout=900)
     (warm / "rank1").rename(tmp_path / "old_rank1")  # rank 1 starts cold
-    hit, missed = run_ranks(2, _mixed, str(warm), timeout=900)
+    hit, missed = run_ranks(2, _gloo_step, str(warm), timeout=900)
     assert hit["counts"]["autograd_hit"] == 1 and missed["counts"]["autograd_miss"] == 1
-    assert hit["loss"] == missed["loss"]
-
-
-def _uneven(cache_root: str) -> dict[str, Any]:
-    """A step on this gloo rank with batch shares [3, 1] of a global batch of 4 sequences."""
-    import torch
-    import torch.distributed as dist
-
-    import autoshard
-    from autoshard._compat.caches import cache_counts
-
-    sys.path.insert(0, str(ROOT / "examples"))
-    from autoshard.compiler import backend
-
-    from gpt import GPT, GPTConfig
-
-    agreed: list[bool] = []
-    real = backend.keys_agree
-    backend.keys_agree = lambda *args: agreed.append(real(*args)) or agreed[-1]
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache_root, f"rank{dist.get_rank()}")
-    torch.manual_seed(0)
-    model = autoshard.shard(GPT(GPTConfig(n_layer=1, **WIDTH)), batch_shares=[3, 1])
-    compiled = torch.compile(model, backend="autoshard", options={"compiler": "inductor"})
-    idx = torch.randint(0, WIDTH["vocab_size"], (4, WIDTH["block_size"]), generator=torch.Generator().manual_seed(1))
-    mine = autoshard.split_batch(idx, model)
-    compiled(mine, mine).backward()
-    grads = [p.grad.full_tensor().sum().item() for p in model.parameters() if p.grad is not None]
-    return {"counts": cache_counts(), "rows": mine.shape[0], "grads": grads, "agreed": agreed}
+    assert hit["loss"] == missed["loss"] == cold["loss"]
+    assert hit["grads"] == missed["grads"] == cold["grads"]
 
 
 def test_ranks_with_their_own_batch_shares_compile_uncached_and_agree(tmp_path, monkeypatch):
@@ -214,7 +196,7 @@ def test_ranks_with_their_own_batch_shares_compile_uncached_and_agree(tmp_path, 
 
     for var in _CACHE_SWITCHES:
         monkeypatch.delenv(var, raising=False)
-    big, small = run_ranks(2, _uneven, str(tmp_path), timeout=900)
+    big, small = run_ranks(2, _gloo_step, str(tmp_path), [3, 1], timeout=900)
     assert (big["rows"], small["rows"]) == (3, 1)
     assert big["agreed"] == small["agreed"] and big["agreed"][0] is False  # the same decisions on both
     for found in (big, small):  # only the graphs whose keys agreed went to the AOT autograd cache

@@ -35,7 +35,7 @@ from autoshard.runtime.errors import UsageError
 from autoshard.runtime.fail_together import check_same_on_all_ranks
 from autoshard.runtime.sharded import _SHARDED
 
-_uneven = [False]  # set once any model trains with unequal shares: the same on every rank (checked)
+_uneven = False  # set once any model trains with unequal shares: the same on every rank (checked)
 WEIGHT = "_autoshard_batch_weight"  # buffer on the root: N * this rank's share
 SHARES = "_autoshard_batch_shares"  # on the root: the shares as given, normalised to fractions
 _HOOK = "_autoshard_batch_hook"
@@ -177,7 +177,8 @@ def set_batch_shares(module: nn.Module, shares: Any) -> None:
     check_same_on_all_ranks("autoshard.set_batch_shares", [None if fractions is None else [str(f) for f in fractions]],
                             _device_type(module))
     setattr(module, SHARES, fractions)
-    _uneven[0] = _uneven[0] or (fractions is not None and len(set(fractions)) > 1)
+    global _uneven
+    _uneven = _uneven or (fractions is not None and len(set(fractions)) > 1)
     if module._buffers.get(WEIGHT) is not None:
         refill_weight(module)  # a graph input: new shares recompile nothing
     else:
@@ -220,7 +221,7 @@ def uneven_shares_in_use() -> bool:
     """Whether a model in this process was given unequal batch shares (then ranks see other
     activation shapes, and the compiler makes each rank take rank 0's decisions). Every rank
     gives the same shares, so every rank answers the same."""
-    return _uneven[0]
+    return _uneven
 
 
 def shares_of(module: nn.Module) -> tuple[Fraction, ...] | None:

@@ -146,22 +146,22 @@ def _simulate(order: Order, sources: dict[fx.Node, fx.Node], profile: DeviceProf
             # The op runs its all-to-alls inside, blocking: each waits for its group's stream
             # and compute waits for it, so each is exposed whole (dispatch, experts, combine).
             parts = expert_parallel_parts(node, profile)
-            for name, exchange in ((f"{node.name}.dispatch", parts.dispatch), (None, None), (f"{node.name}.combine", parts.combine)):
-                if name is None:
-                    timeline.append(Event("compute", node.name, clock, clock + parts.compute, stage))
-                    clock += parts.compute
-                    compute_time += parts.compute
-                    continue
-                duration, nbytes = exchange
+
+            def exchange(name: str, duration: float, nbytes: int) -> float:  # the clock after it
                 start = max(clock, stream_free.get(parts.group, 0.0))
-                stream_free[parts.group] = start + duration
+                end = stream_free[parts.group] = start + duration
                 busy[parts.group] = busy.get(parts.group, 0.0) + duration
                 comm_bytes[ALL_TO_ALL] += nbytes
-                timeline.append(Event(f"comm:{parts.group}", name, start, start + duration, stage, ALL_TO_ALL, nbytes,
-                                      exposed=start + duration - clock))
-                if start + duration > clock:
-                    stalls.append(Stall(clock, start + duration, stage, name))
-                clock = start + duration
+                timeline.append(Event(f"comm:{parts.group}", name, start, end, stage, ALL_TO_ALL, nbytes, exposed=end - clock))
+                if end > clock:
+                    stalls.append(Stall(clock, end, stage, name))
+                return end
+
+            clock = exchange(f"{node.name}.dispatch", *parts.dispatch)
+            timeline.append(Event("compute", node.name, clock, clock + parts.compute, stage))
+            clock += parts.compute
+            compute_time += parts.compute
+            clock = exchange(f"{node.name}.combine", *parts.combine)
         elif duration := node_time(node, profile):
             timeline.append(Event("compute", node.name, clock, clock + duration, stage))
             clock += duration
