@@ -48,14 +48,12 @@ def _child(options: dict, world: int, save: str | None, load: str | None) -> dic
         model = autoshard.shard(GPT(GPTConfig(n_layer=2, **WIDTH)))
         compiled = torch.compile(model, backend="autoshard", options={"compiler": "inductor", **options})
         idx = torch.randint(0, WIDTH["vocab_size"], (2, WIDTH["block_size"]), generator=torch.Generator().manual_seed(1))
-        loss = compiled(idx, idx)
-        loss.backward()
-        grads = [p.grad.to_local().sum().item() for p in model.parameters() if p.grad is not None]
+        compiled(idx, idx).backward()  # the fake group's collectives move no data: its values are not compared
     finally:
         dist.destroy_process_group()
     if save:
         Path(save).write_bytes(torch.compiler.save_cache_artifacts()[0])
-    return {"counts": cache_counts(), "keys": keys, "loss": loss.item(), "grads": grads}
+    return {"counts": cache_counts(), "keys": keys}
 
 
 def _run(cache: Path, options: dict | None = None, world: int = 2, save: Path | None = None,
@@ -75,13 +73,15 @@ def cold_then_warm(tmp_path_factory) -> tuple[Path, dict, dict]:
     return cache, _run(cache), _run(cache)
 
 
-def test_a_second_process_hits_both_caches_and_computes_the_same_step(cold_then_warm):
+def test_a_second_process_hits_both_caches_with_the_same_key(cold_then_warm):
+    """What the hit computes, against a miss, is checked on real ranks
+    (test_ranks_whose_compile_hits_run_with_ranks_whose_compile_misses): here the process
+    group is fake, and its reductions leave their outputs unwritten."""
     _, cold, warm = cold_then_warm
     assert cold["counts"]["autograd_hit"] == 0 and cold["counts"]["autograd_miss"] == 1
     assert warm["counts"]["autograd_hit"] == 1 and warm["counts"]["autograd_miss"] == 0
     assert warm["counts"]["fxgraph_hit"] >= 1 and warm["counts"]["fxgraph_miss"] == 0
     assert warm["keys"] == cold["keys"]  # autoshard's key: no process-order state in it
-    assert warm["loss"] == cold["loss"] and warm["grads"] == cold["grads"]
 
 
 def test_an_option_that_changes_the_plan_misses(cold_then_warm):
@@ -98,7 +98,7 @@ def test_artifacts_saved_by_one_process_warm_another(tmp_path):
     cold = _run(tmp_path / "one", save=artifacts)
     warm = _run(tmp_path / "two", load=artifacts)  # an empty cache directory of its own
     assert warm["counts"]["autograd_hit"] == 1 and warm["counts"]["autograd_miss"] == 0
-    assert warm["loss"] == cold["loss"] and warm["grads"] == cold["grads"]
+    assert warm["keys"] == cold["keys"]
 
 
 def _batch_key(other_first: bool) -> str:
