@@ -63,27 +63,55 @@ def _all_reduce(graph: fx.Graph, x: fx.Node, group: str, name: str) -> fx.Node:
     return call(graph, c10d.wait_tensor.default, reduce)
 
 
+def _shared_rows(rows: tuple[int, ...] | list[int] | None) -> bool:
+    """Whether state shares cut a parameter unevenly (``rows``: every rank's rows)."""
+    return bool(rows) and len(set(rows)) > 1
+
+
+def _join_rows(graph: fx.Graph, gathered: fx.Node, rows: list[int]) -> tuple[fx.Node, list[fx.Node]]:
+    """Rank r's first ``rows[r]`` rows of its ``max(rows)``-row block of ``gathered``,
+    concatenated (ops.join_rows), and the nodes made."""
+    widest = max(rows)
+    split = call(graph, aten.split_with_sizes.default, gathered, [n for r in rows for n in (r, widest - r)])
+    pieces = [call(graph, operator.getitem, split, 2 * r) for r in range(len(rows))]
+    full = call(graph, aten.cat.default, pieces)
+    return full, [split, *pieces, full]
+
+
+def _spread_rows(graph: fx.Graph, grad: fx.Node, rows: list[int]) -> fx.Node:
+    """Each rank's rows of ``grad`` padded to ``max(rows)``, rank after rank (ops.spread_rows)."""
+    split = call(graph, aten.split_with_sizes.default, grad, list(rows))
+    pieces = [_pad_rows(graph, call(graph, operator.getitem, split, r), max(rows)) for r in range(len(rows))]
+    return call(graph, aten.cat.default, pieces)
+
+
 def _lower_unshard(graph: fx.Graph, node: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
     a = named_args(node)
     shard, group, world, dim0, name = a["shard"], a["group_name"], a["world_size"], a["dim0"], a["name"]
     cast = _cast(graph, shard, a["param_dtype"])  # on the shard: the gather moves the low precision
     if world == 1:
         return cast, [cast] if cast is not shard else []
-    padded = _pad_rows(graph, cast, chunk_rows(dim0, world), shard=_uneven(dim0, world))
+    shared = _shared_rows(a.get("rows"))
+    chunk = max(a["rows"]) if shared else chunk_rows(dim0, world)
+    padded = _pad_rows(graph, cast, chunk, shard=shared or _uneven(dim0, world))
     gather = call(graph, c10d.all_gather_into_tensor.default, padded, world, group)
     gather.meta[PARAMS] = (name,)
     gathered = call(graph, c10d.wait_tensor.default, gather)
-    full = _take_rows(graph, gathered, dim0)
-    return full, [n for n in dict.fromkeys((cast, padded, gathered.args[0], gathered, full)) if n is not shard]
+    full, joined = _join_rows(graph, gathered, list(a["rows"])) if shared else (_take_rows(graph, gathered, dim0), [])
+    return full, [n for n in dict.fromkeys((cast, padded, gathered.args[0], gathered, *joined, full)) if n is not shard]
 
 
 def _lower_reduce_grad(graph: fx.Graph, node: fx.Node) -> fx.Node:
     a = named_args(node)
     group, world, name = a["group_name"], a["world_size"], a["name"]
     grad = _cast(graph, a["grad"], a["reduce_dtype"])
-    uneven = world > 1 and _uneven(val(grad).shape[0], world)
+    shared = _shared_rows(a.get("rows"))
+    uneven = world > 1 and (shared or _uneven(val(grad).shape[0], world))
     if world > 1:
-        padded = _pad_rows(graph, grad, chunk_rows(val(grad).shape[0], world) * world)
+        if shared:
+            padded = _spread_rows(graph, grad, list(a["rows"]))
+        else:
+            padded = _pad_rows(graph, grad, chunk_rows(val(grad).shape[0], world) * world)
         reduce = call(graph, c10d.reduce_scatter_tensor.default, padded, "avg", world, group)
         reduce.meta[PARAMS] = (name,)
         grad = call(graph, c10d.wait_tensor.default, reduce)
@@ -136,7 +164,10 @@ def lower_annotations(gm: fx.GraphModule, reshard_after_forward: bool | None = N
     Guarantees: ``unshard`` becomes [cast] -> pad -> all_gather_into_tensor -> wait_tensor ->
     slice, ``reduce_grad`` becomes [cast] -> pad -> reduce_scatter_tensor(avg) -> wait_tensor
     [-> all_reduce(avg) over the replica group -> wait_tensor] -> slice [-> cast],
-    ``all_reduce_grad`` becomes [cast] -> all_reduce(avg) -> wait_tensor [-> the same over
+    Under uneven state shares (the ops' ``rows``) every shard is padded to ``max(rows)``: the
+    gather's result is split and its real rows concatenated, and the gradient is split by
+    ``rows``, each piece padded, concatenated and reduce-scattered, then cut to this rank's
+    rows. ``all_reduce_grad`` becomes [cast] -> all_reduce(avg) -> wait_tensor [-> the same over
     the replica group] [-> cast] and ``replicate`` its input [cast] (casts only where a
     mixed-precision dtype differs; pads and slices only where dim 0 does not divide evenly, and
     then on every rank, by zero rows where the shard is full; no collective over a group of

@@ -47,27 +47,30 @@ def _world_and_rank() -> tuple[int, int]:
     return 1, 0
 
 
-def normalize(shares: Any, world_size: int | None = None, what: str = "batch_shares") -> tuple[Fraction, ...]:
+def normalize(shares: Any, world_size: int | None = None, what: str = "batch_shares",
+              attribute: str = "batch_shares") -> tuple[Fraction, ...]:
     """Each rank's fraction of the global batch, exactly, from ``shares``: a sequence of
     positive numbers (sample counts such as ``[3, 1]`` or fractions such as ``[0.75, 0.25]``)
     or anything with a ``batch_shares`` attribute (an ``autoshard.Plan``), one per rank of
-    ``world_size`` (None: any number)."""
-    given = getattr(shares, "batch_shares", shares)
+    ``world_size`` (None: any number). ``attribute="state_shares"``: the same for state shares
+    (a plan's ``state_shares``; messages then say "state shares")."""
+    label = "shares" if attribute == "batch_shares" else "state shares"
+    given = getattr(shares, attribute, shares)
     if given is None:
-        raise UsageError(f"{what}: {type(shares).__name__} has no batch shares (batch_shares is None); "
+        raise UsageError(f"{what}: {type(shares).__name__} has no {label} ({attribute} is None); "
                          "pass one positive number per rank, e.g. [3, 1].")
     try:
         values = list(given)
     except TypeError:
-        raise UsageError(f"{what}: expected one positive number per rank, e.g. [3, 1], got {given!r}.") from None
+        raise UsageError(f"{what}: expected one positive number per rank for {attribute}, e.g. [3, 1], got {given!r}.") from None
     world = len(values) if world_size is None else world_size
     if len(values) != world:
-        raise UsageError(f"{what}: {len(values)} shares given for {world} ranks; pass one per rank (indexed by global rank).")
+        raise UsageError(f"{what}: {len(values)} {label} given for {world} ranks; pass one per rank (indexed by global rank).")
     bad = [(r, v) for r, v in enumerate(values)
            if isinstance(v, bool) or not isinstance(v, (int, float, Fraction)) or not math.isfinite(v) or v <= 0]
     if bad:
         rank, value = bad[0]
-        raise UsageError(f"{what}: rank {rank}'s share is {value!r}; every share must be a positive finite number.")
+        raise UsageError(f"{what}: rank {rank}'s {label[:-1]} is {value!r}; every share must be a positive finite number.")
     exact = [Fraction(v).limit_denominator(10**9) if isinstance(v, float) else Fraction(v) for v in values]
     total = sum(exact)
     return tuple(v / total for v in exact)
@@ -218,10 +221,17 @@ def _device_type(module: nn.Module) -> str:
 
 
 def uneven_shares_in_use() -> bool:
-    """Whether a model in this process was given unequal batch shares (then ranks see other
-    activation shapes, and the compiler makes each rank take rank 0's decisions). Every rank
-    gives the same shares, so every rank answers the same."""
+    """Whether a model in this process was given unequal batch or state shares (then ranks see
+    other activation or shard shapes, and the compiler makes each rank take rank 0's
+    decisions). Every rank gives the same shares, so every rank answers the same."""
     return _uneven
+
+
+def note_uneven_shares() -> None:
+    """Record that unequal shares are in use (``autoshard.shard(..., state_shares=)``, after
+    every rank agreed on them)."""
+    global _uneven
+    _uneven = True
 
 
 def shares_of(module: nn.Module) -> tuple[Fraction, ...] | None:

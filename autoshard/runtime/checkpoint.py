@@ -49,24 +49,21 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.tensor import DTensor
 
 from autoshard._compat import DCP_METADATA_CLASSES
+from autoshard.runtime.checkpoint_state import _FLAT, _local_state_dict, _state_dict, full_state_dict
 from autoshard.runtime.fail_together import fail_together
 from autoshard.runtime.shard import parameters_as_shards
+from autoshard.runtime.state_shares import even_like, from_even, uneven_rows
 
 __all__ = ["save", "load", "full_state_dict"]
 
 _MANIFEST = "autoshard_manifest.json"
 _EXTRA = "extra"  # the key of the run's other state, serialised as one blob
 _METADATA = ".metadata"
-_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)  # optimizer keys by parameter FQN
 _SHOW = 10  # keys named per kind of problem in an error
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -123,19 +120,6 @@ def _single_process_ok() -> Iterator[None]:
 
 def _siblings(path: Path) -> tuple[Path, Path]:
     return path.with_name(f".{path.name}.tmp"), path.with_name(f".{path.name}.old")
-
-
-def _state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
-    """The flat state dict that is saved: ``model.<fqn>`` and ``optim.<flattened key>``.
-
-    With an optimizer whose state is still empty, DCP first initialises it with a zero-lr step.
-    """
-    # DCP reads parameters by attribute path: as shards, or each read would gather it.
-    with parameters_as_shards():
-        if optimizer is None:
-            return {f"model.{k}": v for k, v in get_model_state_dict(model).items()}
-        msd, osd = get_state_dict(model, optimizer, options=_FLAT)
-    return {**{f"model.{k}": v for k, v in msd.items()}, **{f"optim.{k}": v for k, v in osd.items()}}
 
 
 def _checksum(file: Path) -> list[int] | None:
@@ -352,8 +336,10 @@ def _load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,
         for p in grads:
             p.grad = None
     try:
+        expected = _local_state_dict(model, optimizer)
+        uneven = uneven_rows(expected)  # cut by state shares: read in the even layout, then cut back (collective: first)
         files, metadata = _read_checked(path)
-        expected = _state_dict(model, optimizer)
+        expected.update({k: even_like(expected[k]) for k in uneven})
         _compare(path, expected, metadata, ("model.", "optim.") if optimizer is not None else ("model.",))
         _verify_files(path, files, metadata, group)
         loaded = {k: torch.empty_like(v) if isinstance(v, torch.Tensor) else v for k, v in expected.items()}
@@ -374,27 +360,10 @@ def _load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,
         for p, g in grads.items():
             p.grad = g
     extra = torch.load(io.BytesIO(loaded[_EXTRA]), weights_only=True) if _EXTRA in loaded else {}
+    loaded.update({k: from_even(loaded[k], rows) for k, rows in uneven.items()})
     with parameters_as_shards():
         set_model_state_dict(model, {k[len("model."):]: v for k, v in loaded.items() if k.startswith("model.")})
         if optimizer is not None:
             optim = {k[len("optim."):]: v for k, v in loaded.items() if k.startswith("optim.")}
             set_optimizer_state_dict(model, optimizer, optim, options=_FLAT)
     return extra
-
-
-def full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, torch.Tensor]:
-    """The unsharded model state dict as plain CPU tensors (keys as ``model.state_dict()``).
-
-    A collective: each DTensor is gathered in turn, so a rank holds one full parameter at a
-    time plus the result. Loads into the unsharded model with ``load_state_dict(strict=True)``.
-    With ``rank0_only`` the other ranks get ``{}``.
-    """
-    keep = not rank0_only or _rank_world()[0] == 0
-    out: dict[str, torch.Tensor] = {}
-    with parameters_as_shards():
-        state = get_model_state_dict(model)
-    for key, value in state.items():
-        full = value.full_tensor() if isinstance(value, DTensor) else value  # all ranks take part
-        if keep:
-            out[key] = full.detach().to("cpu", copy=True)
-    return out

@@ -56,8 +56,10 @@ def _reduce_bucket(items: list[tuple[nn.Parameter, Any, torch.Tensor]]) -> list[
     # Sharded: each gradient padded and laid out rank-major, [world, its rows per rank], side by
     # side; row r of the bucket is then rank r's part of every gradient, so a reduce-scatter of
     # the bucket's rows hands every rank its rows of each.
-    chunks = [ops.chunk_rows(s.dim0, spec.world_size) for _, s, _ in items]
-    cols = [ops.pad_rows(g, c * spec.world_size).reshape(spec.world_size, -1) for (_, _, g), c in zip(items, chunks)]
+    # Under state shares each gradient is cut by its rows, each rank's part padded to the widest.
+    chunks = [max(s.rows) if s.rows else ops.chunk_rows(s.dim0, spec.world_size) for _, s, _ in items]
+    cols = [(ops.spread_rows(g, s.rows) if s.rows else ops.pad_rows(g, c * spec.world_size)).reshape(spec.world_size, -1)
+            for (_, s, g), c in zip(items, chunks)]
     mine = ops.reduce_grad(torch.cat(cols, dim=1), *args, 1, *tail).view(-1)
     pieces = mine.split([c.shape[1] for c in cols])
     return [piece.view(c, *p.shape[1:])[: p.to_local().shape[0]] for piece, c, (p, _, _) in zip(pieces, chunks, items)]

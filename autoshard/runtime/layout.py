@@ -28,10 +28,16 @@ class ShardLayout:
     experts: str = "gathered"  # the root's experts modules: "parallel" splits them over every rank (shard's experts=)
 
 
-def local_chunk(full: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...] | list[Placement]) -> torch.Tensor:
+def local_chunk(full: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...] | list[Placement],
+                rows: tuple[int, ...] = ()) -> torch.Tensor:
     """This rank's rows of ``full`` under ``placements`` (a view): DTensor's ``Shard(0)``
-    layout, torch.chunk's sizes, empty past the end; all of it when nothing is sharded."""
+    layout, torch.chunk's sizes, empty past the end; all of it when nothing is sharded.
+    ``rows``: every rank's row count under state shares (a 1-D mesh), instead of torch.chunk's."""
     for dim, placement in enumerate(placements):
+        if isinstance(placement, Shard) and rows:
+            me = mesh.get_local_rank(dim)
+            start = sum(rows[:me])
+            return full[start : start + rows[me]]
         if isinstance(placement, Shard):
             rows = -(-full.shape[0] // mesh.size(dim))  # ceil
             start = min(mesh.get_local_rank(dim) * rows, full.shape[0])
@@ -39,11 +45,12 @@ def local_chunk(full: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placemen
     return full
 
 
-def to_dtensor(param: nn.Parameter, mesh: DeviceMesh, placements: list[Placement]) -> DTensor:
+def to_dtensor(param: nn.Parameter, mesh: DeviceMesh, placements: list[Placement], rows: tuple[int, ...] = ()) -> DTensor:
     """``param`` laid out on ``mesh``, cut locally: every rank holds the same values (the same
-    seed, as FSDP2 assumes, or the meta device), so nothing is sent."""
+    seed, as FSDP2 assumes, or the meta device), so nothing is sent. ``rows``: state shares'
+    row counts (see :func:`local_chunk`)."""
     full = param.detach()
-    local = local_chunk(full, mesh, placements)
+    local = local_chunk(full, mesh, placements, rows)
     if local.numel() != full.numel():
         local = local.clone()  # own storage: the full parameter is freed once replaced
     stride = torch.empty(full.shape, device="meta").stride()

@@ -63,7 +63,8 @@ class _FillLikeOneProcess(TorchFunctionMode):
             else:  # one full parameter, transient: the same draws as in one process
                 full = torch.empty(target.shape, dtype=local.dtype, device=local.device)
                 call(full)
-            local.copy_(local_chunk(full, target.device_mesh, target.placements))
+            rows = getattr(getattr(target, "_autoshard_spec", None), "rows", ())  # state shares' rows, if any
+            local.copy_(local_chunk(full, target.device_mesh, target.placements, rows))
         return target
 
 

@@ -22,6 +22,11 @@ Arguments shared by the ops:
   receives the unreduced gradient instead (autograd accumulates it in ``sink.grad``); the
   shard then gets no gradient and nothing is communicated in backward.
 * ``name``: the parameter's fully qualified name, which bucketing groups by.
+* ``rows``: None for the layout above. Under state shares (``autoshard.shard(...,
+  state_shares=)``), every rank's row count, the same tuple on every rank: rank r owns rows
+  ``[sum(rows[:r]), sum(rows[:r+1]))``. Collectives then pad every shard to ``max(rows)``
+  (gloo and NCCL have no all-gather-v) and cut each rank's rows back out
+  (:func:`join_rows`, :func:`spread_rows`).
 """
 from __future__ import annotations
 
@@ -71,6 +76,21 @@ def pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     return F.pad(t, [0, 0] * (t.dim() - 1) + [0, missing])
 
 
+def join_rows(gathered: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
+    """The full tensor from an all-gather of shards padded to ``max(rows)`` rows each: rank
+    r's first ``rows[r]`` rows of its block, concatenated (a new tensor)."""
+    widest = max(rows)
+    pieces = gathered.split_with_sizes([n for r in rows for n in (r, widest - r)])
+    return torch.cat(pieces[::2])
+
+
+def spread_rows(full: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
+    """A reduce-scatter's input for a ``full`` tensor cut by ``rows``: each rank's rows padded
+    to ``max(rows)``, rank after rank (``len(rows) * max(rows)`` rows)."""
+    widest = max(rows)
+    return torch.cat([pad_rows(piece, widest) for piece in full.split_with_sizes(list(rows))])
+
+
 @torch.library.custom_op("autoshard::pad_shard", mutates_args=())
 def pad_shard(shard: torch.Tensor, rows: int) -> torch.Tensor:
     """``shard`` followed by zero rows up to ``rows``: a new tensor on every rank, also where
@@ -104,7 +124,7 @@ def _average_over_replicas(t: torch.Tensor, replica_group: str, replicas: int) -
 def unshard(  # one line per group of arguments (see the module docstring)
     shard: torch.Tensor, group_name: str, world_size: int, dim0: int, reshard: Optional[bool], name: str,
     sink: Optional[torch.Tensor], param_dtype: Optional[torch.dtype], reduce_dtype: Optional[torch.dtype],
-    replica_group: str, replicas: int,
+    replica_group: str, replicas: int, rows: Optional[list[int]] = None,
 ) -> torch.Tensor:
     """All-gather ``shard`` (this rank's rows of a ``dim0``-row parameter), cast to
     ``param_dtype`` first, into the full parameter.
@@ -113,13 +133,14 @@ def unshard(  # one line per group of arguments (see the module docstring)
     backward needs it first (the lowering decides, see ``passes/lower.py``). Backward:
     :func:`reduce_grad`, or the full gradient to ``sink`` when one is given.
     """
-    padded = pad_rows(_cast(shard, param_dtype), chunk_rows(dim0, world_size)).contiguous()
+    padded = pad_rows(_cast(shard, param_dtype), max(rows) if rows else chunk_rows(dim0, world_size)).contiguous()
     gathered = c10d.wait_tensor(c10d.all_gather_into_tensor(padded, world_size, group_name))
-    return gathered[:dim0].clone()
+    return join_rows(gathered, rows) if rows else gathered[:dim0].clone()
 
 
 @unshard.register_fake
-def _unshard_fake(shard, group_name, world_size, dim0, reshard, name, sink, param_dtype, reduce_dtype, replica_group, replicas):
+def _unshard_fake(shard, group_name, world_size, dim0, reshard, name, sink, param_dtype, reduce_dtype, replica_group, replicas,
+                  rows=None):
     return new_empty(shard, (dim0, *shard.shape[1:]), param_dtype or shard.dtype)
 
 
@@ -127,20 +148,20 @@ def _unshard_fake(shard, group_name, world_size, dim0, reshard, name, sink, para
 def reduce_grad(
     grad: torch.Tensor, group_name: str, world_size: int, shard_rows: int, name: str,
     reduce_dtype: Optional[torch.dtype], out_dtype: torch.dtype,
-    replica_group: str, replicas: int,
+    replica_group: str, replicas: int, rows: Optional[list[int]] = None,
 ) -> torch.Tensor:
     """Reduce-scatter a full gradient in ``reduce_dtype``, averaged over the data-parallel
     ranks (``group_name``, then ``replica_group``), to this rank's ``shard_rows`` rows in
-    ``out_dtype``."""
+    ``out_dtype``; ``rows``: cut by state shares."""
     grad = _cast(grad, reduce_dtype)
-    padded = pad_rows(grad, chunk_rows(grad.shape[0], world_size) * world_size).contiguous()
+    padded = (spread_rows(grad, rows) if rows else pad_rows(grad, chunk_rows(grad.shape[0], world_size) * world_size)).contiguous()
     reduced = c10d.wait_tensor(c10d.reduce_scatter_tensor(padded, "avg", world_size, group_name))
     # Over the replicas on the padded shard, as the lowered graph does: the same shape on every rank.
     return _new(_average_over_replicas(reduced, replica_group, replicas)[:shard_rows], out_dtype)
 
 
 @reduce_grad.register_fake
-def _reduce_grad_fake(grad, group_name, world_size, shard_rows, name, reduce_dtype, out_dtype, replica_group, replicas):
+def _reduce_grad_fake(grad, group_name, world_size, shard_rows, name, reduce_dtype, out_dtype, replica_group, replicas, rows=None):
     return new_empty(grad, (shard_rows, *grad.shape[1:]), out_dtype)
 
 

@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor, Placement
 
 from autoshard.runtime import experts as expert_parallelism
 from autoshard.runtime import grad_sync, leaves
-from autoshard.runtime.batch_shares import normalize, set_batch_shares
+from autoshard.runtime.batch_shares import normalize, note_uneven_shares, set_batch_shares
 from autoshard.runtime.errors import UsageError
 from autoshard.runtime.fail_together import check_same_on_all_ranks
 from autoshard.runtime.layout import ShardLayout, layout, to_dtensor
@@ -43,6 +43,7 @@ from autoshard.runtime.sharded import (  # re-exported: imported from here befor
     is_sharded,
     parameters_as_shards,
 )
+from autoshard.runtime.state_shares import split_rows
 
 __all__ = ["STRATEGIES", "ParamSpec", "ShardedModule", "is_sharded", "parameters_as_shards", "shard"]
 
@@ -63,7 +64,7 @@ def _default_mesh(module: nn.Module, shape: tuple[int, ...] | None = None) -> De
 
 
 def _planned(module: nn.Module, given: Any, mesh: DeviceMesh | None, strategy: str, mixed_precision: MixedPrecision | None,
-             experts: str) -> tuple:
+             experts: str, state_shares: Any = None) -> tuple:
     """The mesh, strategy, mixed precision and experts layout of a :class:`ShardLayout` (or of
     an ``autoshard.Plan``'s ``layout``) for the root, after sharding the blocks it lays out
     otherwise (every name checked first)."""
@@ -86,12 +87,15 @@ def _planned(module: nn.Module, given: Any, mesh: DeviceMesh | None, strategy: s
     if missing:
         raise ValueError(f"autoshard.shard: the plan lays out {missing[0]!r}, which {type(module).__name__} does not have; "
                          "plan again for this model.")
+    for planned in dict.fromkeys((plan.strategy, plan.block_strategy or plan.strategy)):
+        _state_fractions(state_shares, planned, plan.experts)  # refused before a block changes
     if not dist.is_initialized():
         return None, plan.strategy, None, plan.experts  # world size 1: nothing to shard
     if plan.blocks:  # blocks first, then the root, as with FSDP2's fully_shard
         block_mesh = _default_mesh(module, tuple(plan.block_mesh_shape))
         for name in plan.blocks:
-            shard(module.get_submodule(name), block_mesh, strategy=plan.block_strategy, mixed_precision=plan.mixed_precision)
+            shard(module.get_submodule(name), block_mesh, strategy=plan.block_strategy, mixed_precision=plan.mixed_precision,
+                  state_shares=state_shares)
     return _default_mesh(module, tuple(plan.mesh_shape)), plan.strategy, plan.mixed_precision, plan.experts
 
 
@@ -103,7 +107,8 @@ def _has(module: nn.Module, name: str) -> bool:
     return True
 
 
-Layouts = dict[int, tuple[nn.Parameter, list[Placement]]]  # id of a parameter to shard -> it, placements
+# id of a parameter to shard -> it, placements, every rank's rows under state shares (() even)
+Layouts = dict[int, tuple[nn.Parameter, list[Placement], tuple[int, ...]]]
 Owners = list[tuple[nn.Module, dict[str, ParamSpec]]]  # each module owning parameters, with their specs
 
 
@@ -116,8 +121,24 @@ def _describe(owners: Owners, layouts: Layouts, strategy: str, mesh: DeviceMesh,
         for name, spec in specs.items():
             param = mod._parameters[name]
             items.append((spec.name, tuple(param.shape), str(param.dtype), param.requires_grad, spec.dim0, spec.reshard,
-                          id(param) in layouts))
+                          id(param) in layouts, spec.rows))
     return items
+
+
+def _state_fractions(state_shares: Any, strategy: str, experts: str) -> tuple | None:
+    """Each rank's exact share of the state (None: even), refused before anything changes."""
+    if state_shares is None:
+        return None
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    fractions = normalize(state_shares, world, what="autoshard.shard", attribute="state_shares")
+    if strategy not in ("full", "grad_op"):
+        raise UsageError(f"autoshard.shard: state_shares need strategy 'full' or 'grad_op', got {strategy!r} (a replicated "
+                         "state cannot be cut by rank, and hybrid sharding does not support them yet); drop state_shares "
+                         "or shard with strategy='full'.")
+    if experts != "gathered":
+        raise UsageError("autoshard.shard: state_shares do not cut expert-parallel experts (experts='parallel' splits whole "
+                         "experts evenly); use experts='gathered' or drop state_shares.")
+    return None if len(set(fractions)) == 1 or world == 1 else fractions
 
 
 def _check(
@@ -173,6 +194,7 @@ def shard(
     mixed_precision: MixedPrecision | None = None,
     plan: Any = None,
     batch_shares: Any = None,
+    state_shares: Any = None,
     experts: str = "gathered",
 ) -> nn.Module:
     """Shard ``module``'s parameters in place across the ranks of ``mesh`` and return it.
@@ -208,6 +230,11 @@ def shard(
             (sample counts such as ``[3, 1]``, or fractions), or an ``autoshard.Plan``
             carrying ``batch_shares``: see :func:`autoshard.set_batch_shares`. Default: the
             ``plan``'s ``batch_shares`` if it has them, else equal.
+        state_shares: each rank's share of the parameters, gradients and optimizer state, one
+            positive number per rank (``[3, 1]``: rank 0 holds three quarters of every
+            parameter's rows), or an ``autoshard.Plan`` carrying ``state_shares``: for ranks
+            with less memory (:mod:`autoshard.runtime.state_shares`). Strategies ``"full"``
+            and ``"grad_op"`` only. Default: the ``plan``'s ``state_shares``, else equal.
         experts: ``"gathered"`` (default): experts modules are sharded like any parameter and
             gathered whole where used. ``"parallel"``: expert parallelism over every rank of a
             1-D mesh: each experts module (3-D parameters sharing a leading expert dimension,
@@ -226,10 +253,13 @@ def shard(
     if not, every rank raises the same ``ValueError`` naming the first difference.
     """
     if plan is not None:
-        mesh, strategy, mixed_precision, experts = _planned(module, plan, mesh, strategy, mixed_precision, experts)
+        if state_shares is None:
+            state_shares = getattr(plan, "state_shares", None)
+        mesh, strategy, mixed_precision, experts = _planned(module, plan, mesh, strategy, mixed_precision, experts, state_shares)
         if batch_shares is None:  # a plan for a mixed cluster chose them
             batch_shares = getattr(plan, "batch_shares", None)
     _check(module, mesh, strategy, reshard_after_forward, mixed_precision)
+    fractions = _state_fractions(state_shares, strategy, experts)
     if experts not in expert_parallelism.EXPERTS:
         raise UsageError(f"autoshard.shard: experts must be one of {expert_parallelism.EXPERTS}, got {experts!r}.")
     if not dist.is_initialized():
@@ -252,13 +282,16 @@ def shard(
     # Plan every new parameter, agree, build them all, then install: nothing is half-applied.
     found = expert_parallelism.plan(module, mesh) if experts == "parallel" else []
     skip = {id(p) for _, m in found for p in m.parameters(recurse=False)}
-    layouts, owners = _plan(module, mesh, strategy, reshard_after_forward, mixed_precision, skip)
+    layouts, owners = _plan(module, mesh, strategy, reshard_after_forward, mixed_precision, skip, fractions)
     # Ranks that built different models would otherwise hang or train apart: fail alike first.
     described = _describe(owners, layouts, strategy, mesh, mixed_precision) + expert_parallelism.describe(found)
+    described.insert(0, ("state_shares", None if fractions is None else [str(f) for f in fractions]))
     check_same_on_all_ranks("autoshard.shard", described, mesh.device_type)
     expert_parallelism.install(found, mesh)
-    sharded = {key: nn.Parameter(to_dtensor(param, mesh, placements), requires_grad=param.requires_grad)
-               for key, (param, placements) in layouts.items()}
+    sharded = {key: nn.Parameter(to_dtensor(param, mesh, placements, rows), requires_grad=param.requires_grad)
+               for key, (param, placements, rows) in layouts.items()}
+    if fractions is not None:
+        note_uneven_shares()  # ranks hold other shard shapes: they take rank 0's compile decisions
     _install(module, owners, sharded, mixed_precision)
     if batch_shares is not None:
         set_batch_shares(module, batch_shares)
@@ -267,7 +300,7 @@ def shard(
 
 def _plan(
     module: nn.Module, mesh: DeviceMesh, strategy: str, reshard: bool | None, mixed_precision: MixedPrecision | None,
-    skip: set[int] = frozenset(),
+    skip: set[int] = frozenset(), fractions: tuple | None = None,
 ) -> tuple[Layouts, Owners]:
     """(each new parameter's placements by id, each owning module's specs), changing nothing."""
     groups, split, replicated = layout(mesh, strategy)
@@ -295,11 +328,13 @@ def _plan(
                 specs[name] = replace(getattr(param, _SPEC), name=fqn)
                 continue
             splits = param.dim() > 0 and strategy != "replicate"
-            layouts[id(param)] = (param, split if splits else replicated)
-            param_dtype, reduce_dtype = dtypes_for(param, mixed_precision)
             dim0 = param.shape[0] if splits else -1
+            rows = split_rows(dim0, fractions) if splits and fractions else ()
+            layouts[id(param)] = (param, split if splits else replicated, rows)
+            param_dtype, reduce_dtype = dtypes_for(param, mixed_precision)
             specs[name] = ParamSpec(
-                dim0=dim0, reshard=reshard if splits else False, name=fqn, param_dtype=param_dtype, reduce_dtype=reduce_dtype, **groups
+                dim0=dim0, reshard=reshard if splits else False, name=fqn, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                rows=rows, **groups
             )
         if specs:
             owners.append((mod, specs))

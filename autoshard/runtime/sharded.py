@@ -38,6 +38,9 @@ class ParamSpec:
     reduce_dtype: torch.dtype | None = None  # gradients reduced in; None: the gradient's
     replica_group: str = ""  # hybrid: gradients are then averaged over this group too
     replicas: int = 1
+    # State shares: every rank's rows, the same on every rank (sum: dim0); () for the even
+    # Shard(0) layout (autoshard/runtime/state_shares.py).
+    rows: tuple[int, ...] = ()
     # The annotation op and its arguments before and after ``sink``, built once: a parameter
     # use then loads an op and two tuples of constants, which Dynamo traces much faster than
     # ten attributes.
@@ -50,7 +53,8 @@ class ParamSpec:
         # The ops' overloads themselves: calling their Python wrappers costs Dynamo a frame each.
         object.__setattr__(self, "op", ops.REPLICATE if self.dim0 < 0 else ops.UNSHARD)
         object.__setattr__(self, "head", (self.group_name, *shape, self.name))
-        object.__setattr__(self, "tail", (self.param_dtype, self.reduce_dtype, self.replica_group, self.replicas))
+        rows = (self.rows,) if self.rows else ()  # left out when even: the op's default, the graphs unchanged
+        object.__setattr__(self, "tail", (self.param_dtype, self.reduce_dtype, self.replica_group, self.replicas, *rows))
 
 
 class ShardedModule:
