@@ -121,6 +121,15 @@ class Cluster:
         sizes = [default if g.memory_gb is None else g.memory_gb for g in self.nodes]
         return None if any(s is None for s in sizes) else min(sizes)
 
+    def pooled_memory_gb(self, default: float | None) -> float | None:
+        """The memory per rank averaged over the ranks, where every group gives its own and they
+        differ (state shares spread the state by memory, autoshard.tools.plan_state); else
+        :meth:`smallest_memory_gb`."""
+        sizes = [g.memory_gb for g in self.nodes]
+        if any(s is None for s in sizes) or len(set(sizes)) == 1:
+            return self.smallest_memory_gb(default)
+        return sum(g.memory_gb * g.ranks for g in self.nodes) / self.world_size
+
     def as_slowest(self) -> DeviceProfile:
         """Every rank as slow as the slowest group's (the profile today's plan would use)."""
         device = self.nodes[self.slowest()].device

@@ -136,7 +136,8 @@ class _Search:
                 states = self.bounds.optimizer_states
                 mixed = {}
                 if self.cluster is not None:  # the same graphs on each rank type, with planned batch shares
-                    step = play(report, self.cluster, states * m["shard_bytes"], self.budget_gb)
+                    cuts = {c.strategy, c.block_strategy or c.strategy} <= {"full", "grad_op"} and c.experts == "gathered"
+                    step = play(report, self.cluster, states * m["shard_bytes"], self.budget_gb, state_shares=cuts)
                     mixed = {"mixed_step": step.step_time, "types": step.types}
                 outcome = Outcome(c, m["step_time"], m["exposed_comm"], int(m["peak_bytes"] + states * m["shard_bytes"]),
                                   energy_j=m["energy_j"], link_bytes=self.bounds.link_bytes(c), **mixed)
@@ -226,7 +227,9 @@ def plan(
     slowest type (every rank as slow and as small as the slowest); each compiled one is then
     played on the mixed cluster with the batch shares :mod:`autoshard.tools.plan_shares`
     chooses, and the plan is the fastest there whose every type fits its own memory
-    (:attr:`Plan.batch_shares`: each rank's fraction of the global batch; state shards stay even)."""
+    (:attr:`Plan.batch_shares`: each rank's fraction of the global batch), and where even
+    state shards do not fit a type's memory, state shares by memory (:attr:`Plan.state_shares`,
+    :mod:`autoshard.tools.plan_state`)."""
     if cluster is not None:
         if not isinstance(cluster, Cluster):
             raise UsageError(f"autoshard.plan: cluster must be an autoshard.tools.cluster.Cluster, got {type(cluster).__name__}.")
@@ -256,10 +259,13 @@ def plan(
     mixed = cluster is not None
     if mixed:  # compiled as today's plan for the cluster taken as all of its slowest type
         device = cluster.as_slowest()
-    budget = {} if memory_budget_gb is None else {"memory_budget_gb": memory_budget_gb}
+    # Compiled and bounded under the pooled memory where the types' memories differ: state
+    # shares may then hold the state by memory; each type's own limit is checked when played.
+    compile_gb = cluster.pooled_memory_gb(memory_budget_gb) if mixed else memory_budget_gb
+    budget = {} if compile_gb is None else {"memory_budget_gb": compile_gb}
     with fake_tensor_mode():
         params = Params.of(factory())
-    limit = _limit_bytes(memory_budget_gb)
+    limit = _limit_bytes(compile_gb)
     search = _Search(factory, example_args, {"world_size": world_size, "profile": device, **budget, **options},
                      Bounds(params, device, states), limit, ranks_per_node, progress, cluster, memory_budget_gb)
     whole = candidates(world_size, ranks_per_node, tuple(precisions), params.expert_parallel(world_size))
@@ -294,9 +300,10 @@ def plan(
     chosen = min(fitting, key=lambda t: t[:3])[3]
     best = chosen.candidate
     shares = tuple(t.share for t in chosen.types for _ in range(t.ranks)) if mixed else None
+    state = tuple(t.state_share for t in chosen.types for _ in range(t.ranks)) if mixed and chosen.types[0].state_share else None
     return Plan(best.strategy, best.mesh_shape, world_size, ranks_per_node, cluster.label if mixed else device.name,
                 memory_budget_gb, tuple(outcomes), best.precision, best.blocks, best.block_strategy, best.block_mesh_shape,
-                _tokens(example_args, world_size), shares, cluster, best.experts)
+                _tokens(example_args, world_size), shares, cluster, best.experts, state)
 
 
 def _tokens(example_args: tuple, world_size: int) -> int | None:

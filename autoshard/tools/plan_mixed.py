@@ -51,12 +51,16 @@ def mixed_summary(plan: Any) -> str:
         fit = "" if o.mixed_fits else "  over a type's memory"
         lines.append(f"{mark}{o.candidate.label(plan.ranks_per_node):40s} {fmt_time(o.mixed_step):>10s} "
                      f"(as all {slow}: {fmt_time(o.step_time)}){fit}")
-    lines.append(f"{'rank type':10s} {'ranks':>6s} {'share/rank':>10s} {'x even':>7s} {'busy':>10s} {'waiting':>10s} "
-                 f"{'util':>6s} {'peak':>10s} {'memory':>10s}")
+    lines.append(f"{'rank type':10s} {'ranks':>6s} {'share/rank':>10s} {'x even':>7s} {'state/rank':>10s} {'busy':>10s} "
+                 f"{'waiting':>10s} {'util':>6s} {'peak':>10s} {'memory':>10s}")
     for t, u in zip(chosen.types, utilisation(chosen)):
         memory = "-" if t.limit_bytes is None else fmt_bytes(t.limit_bytes)
-        lines.append(f"{t.name:10s} {t.ranks:6d} {t.share:10.3%} {t.share * plan.world_size:7.2f} {fmt_time(t.busy):>10s} "
-                     f"{fmt_time(t.wait):>10s} {u:6.1%} {fmt_bytes(t.peak_bytes):>10s} {memory:>10s}")
+        state = t.state_share if t.state_share is not None else 1 / plan.world_size  # of the parameters, grads, optimizer
+        lines.append(f"{t.name:10s} {t.ranks:6d} {t.share:10.3%} {t.share * plan.world_size:7.2f} {state:10.3%} "
+                     f"{fmt_time(t.busy):>10s} {fmt_time(t.wait):>10s} {u:6.1%} {fmt_bytes(t.peak_bytes):>10s} {memory:>10s}")
+    if plan.state_shares is not None:
+        lines.append("state shares (parameters, gradients, optimizer state; even shards do not fit every type): "
+                     + ", ".join(f"{s:.3f}" for s in plan.state_shares) + " by rank; shards padded to the widest in collectives")
     lines.append(f"utilisation variance across rank types: {variance(utilisation(chosen)):.4f}")
     if base is not None:
         lines.append(f"today's plan for all {slow} ({base.candidate.label(plan.ranks_per_node)}, even shares): "

@@ -60,6 +60,9 @@ class Plan:
     batch_shares: tuple[float, ...] | None = None
     cluster: Cluster | None = None
     experts: str = "gathered"  # "parallel": the experts modules split over every rank (autoshard.shard's experts=)
+    # Each global rank's share of the parameters, gradients and optimizer state (summing to 1);
+    # None: even. Set on a mixed cluster where even shards do not fit a type's memory.
+    state_shares: tuple[float, ...] | None = None
 
     @property
     def candidate(self) -> Candidate:
@@ -126,7 +129,9 @@ class Plan:
                          for o in data.pop("outcomes"))
         cluster = Cluster.from_dict(data["cluster"]) if data.get("cluster") else None
         shares = tuple(data["batch_shares"]) if data.get("batch_shares") else None
-        return Plan(**{**data, **_tuples(data), "outcomes": outcomes, "cluster": cluster, "batch_shares": shares})
+        state = tuple(data["state_shares"]) if data.get("state_shares") else None
+        return Plan(**{**data, **_tuples(data), "outcomes": outcomes, "cluster": cluster, "batch_shares": shares,
+                       "state_shares": state})
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(self.to_json())

@@ -1,7 +1,9 @@
 """How ``autoshard.plan`` splits the global batch over a mixed cluster's rank types, for one
 compiled layout: each type's share starts proportional to its speed (the inverse of its
 simulated compute at an even share), is capped where a type's memory would not hold more
-(state shards are even, so only the batch-sized part of its memory moves with its share), and
+(only the batch-sized part of its memory moves with its share; where even state shards do not
+fit a type at all and the layout can cut them, every type holds a state share proportional to
+its memory, :mod:`autoshard.tools.plan_state`), and
 is then refined on the mixed-cluster simulator (:mod:`autoshard.tools.simulator_mixed`): a few
 rounds that move samples towards the types that finished their compute early, keeping the
 split with the shortest simulated step.
@@ -11,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autoshard.tools.cluster import Cluster
+from autoshard.tools.plan_state import memory_factors, with_state
 from autoshard.tools.report import Report
 from autoshard.tools.simulator_mixed import TypeStep, most_factor, scaled_peak, step_times
 
@@ -45,23 +48,33 @@ def _capped(weights: list[float], counts: list[int], caps: list[float], world: i
         fixed.update({t: caps[t] for t in over})
 
 
-def play(report: Report, cluster: Cluster, extra_bytes: float, default_budget_gb: float | None) -> MixedStep:
+def play(report: Report, cluster: Cluster, extra_bytes: float, default_budget_gb: float | None,
+         state_shares: bool = False) -> MixedStep:
     """The best split of ``report``'s layout over ``cluster`` that fits every type's memory
     (``extra_bytes``: per-rank bytes the report's peak leaves out, the optimizer state); the
-    even split, over budget, when none fits."""
+    even split, over budget, when none fits. ``state_shares``: the layout can cut the state
+    unevenly (strategies "full" and "grad_op")."""
     fwd, bwd = report.stages["forward"], report.stages.get("backward")
     by_category = report.analysis.memory_by_category
     counts = [g.ranks for g in cluster.nodes]
     world = cluster.world_size
     limits = [None if (gb := g.memory_gb if g.memory_gb is not None else default_budget_gb) is None else gb * 2**30
               for g in cluster.nodes]
+    state = [1.0] * len(counts)
     caps = [most_factor(by_category, extra_bytes, limit) for limit in limits]
+    if state_shares and (min(caps) == 0.0 or _capped(state, counts, caps, world) is None) and (
+            shared := memory_factors(by_category, extra_bytes, limits, counts, world, _capped)) is not None:
+        # Even state does not fit a type: each holds a share of the state proportional to its memory.
+        state = shared
+        caps = [most_factor(with_state(by_category, s, max(state)), extra_bytes * s, limit) for s, limit in zip(state, limits)]
+    curves = [with_state(by_category, s, max(state)) for s in state]
 
     def result(factors: list[float]) -> MixedStep:
-        step, busy, wait = step_times(fwd, bwd, cluster, factors, report.group_ranks)
+        step, busy, wait = step_times(fwd, bwd, cluster, factors, report.group_ranks, comm_factor=max(state))
         return MixedStep(step, tuple(
-            TypeStep(g.name, g.ranks, f / world, b, w, int(scaled_peak(by_category, f) + extra_bytes), limit, g.price_per_hour)
-            for g, f, b, w, limit in zip(cluster.nodes, factors, busy, wait, limits)))
+            TypeStep(g.name, g.ranks, f / world, b, w, int(scaled_peak(curve, f) + extra_bytes * s), limit, g.price_per_hour,
+                     None if max(state) == 1.0 else s / world)
+            for g, f, b, w, limit, s, curve in zip(cluster.nodes, factors, busy, wait, limits, state, curves)))
 
     even = result([1.0] * len(counts))
     factors = _capped([1.0 / max(t.busy, 1e-12) for t in even.types], counts, caps, world)

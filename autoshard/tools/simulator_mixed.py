@@ -40,6 +40,7 @@ class TypeStep:
     peak_bytes: int
     limit_bytes: float | None
     price_per_hour: float | None = None
+    state_share: float | None = None  # each rank's share of the state (parameters, gradients, optimizer); None: even
 
     @property
     def fits(self) -> bool:
@@ -59,10 +60,12 @@ def compute_scale(time: float, overhead: float, factor: float) -> float:
 
 
 def step_times(forward: fx.GraphModule, backward: fx.GraphModule | None, cluster: Cluster, factors: list[float],
-               group_ranks: dict[str, tuple[int, ...]]) -> tuple[float, list[float], list[float]]:
+               group_ranks: dict[str, tuple[int, ...]], comm_factor: float = 1.0) -> tuple[float, list[float], list[float]]:
     """(step seconds, busy seconds per type, waiting seconds per type) with each node group's
     ranks at ``factors[i]`` times the even batch; ``group_ranks``: rank 0's ranks of each
-    process group named in the graphs (:attr:`autoshard.Report.group_ranks`)."""
+    process group named in the graphs (:attr:`autoshard.Report.group_ranks`). ``comm_factor``:
+    the widest state factor under state shares: every all-gather and reduce-scatter moves
+    shards padded to the widest share (no all-gather-v), that many times the even bytes."""
     types = range(len(cluster.nodes))
     devices = [g.device for g in cluster.nodes]
     configs = [schedule_config(d) for d in devices]
@@ -79,6 +82,8 @@ def step_times(forward: fx.GraphModule, backward: fx.GraphModule | None, cluster
             if collective is not None:
                 kind, nbytes, group, ranks = collective
                 ranks = group_ranks.get(group, ranks)
+                if kind in ("all_gather", "reduce_scatter"):
+                    nbytes = nbytes * comm_factor
                 if _coupled(ranks, cluster):  # starts when the last rank issues it
                     start = max(max(clock[t], free[t].get(group, 0.0)) for t in types)
                     duration = collective_time(kind, nbytes, ranks, shared)
