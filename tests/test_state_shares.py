@@ -113,6 +113,21 @@ def _checkpoints(path: str) -> dict[str, Any]:
     }
 
 
+def _materialized() -> float:
+    """A meta model sharded with state shares, materialized: the same full values as one
+    sharded evenly under the same seed (each rank cut its own rows of the same draws)."""
+    fulls = []
+    for shares in (SHARES[dist.get_world_size()], None):
+        with torch.device("meta"):
+            model = build("uneven")
+        autoshard.shard(model, state_shares=shares)
+        torch.manual_seed(1)
+        autoshard.materialize(model, "cpu")
+        fulls.append({n: full_tensor(p.detach()) for n, p in model.named_parameters()})
+    # fc1 and fc2 (reset_parameters); gain and temperature have no init: left uninitialised.
+    return max((fulls[0][k] - fulls[1][k]).abs().max().item() for k in fulls[0] if k.startswith("fc"))
+
+
 def _refusals() -> dict[str, str]:
     """The error each rank raised for bad state shares, and whether the model was left plain."""
     world = dist.get_world_size()
@@ -147,6 +162,8 @@ def _cases(path: str) -> dict[str, Any]:
         found["uncompiled"] = train_pair("uneven", _shard(), compiler="uncompiled", max_norm=MAX_NORM, optimizer="adamw_loop")
         found["uncompiled_batch_shares"] = train_pair("uneven", _shard(), compiler="uncompiled", shares=[1, 3])
         found["state_dict"] = _state_dict_round_trip()
+        found["inductor"] = train_pair("mlp", _shard(), compiler="inductor", optimizer="sgd")
+    found["materialized"] = _materialized()
     found["checkpoints"] = _checkpoints(path)
     return found
 
@@ -161,7 +178,8 @@ def results(tmp_path_factory):
     return lambda world: _results(world, str(tmp_path_factory.getbasetemp() / f"state_shares_{world}"))
 
 
-PARITY = [(2, c) for c in ("full", "gpt", "batch_shares", "accumulation", "grad_op", "uncompiled", "uncompiled_batch_shares")]
+PARITY = [(2, c) for c in ("full", "gpt", "batch_shares", "accumulation", "grad_op", "uncompiled", "uncompiled_batch_shares",
+                           "inductor")]
 PARITY += [(4, c) for c in ("full", "gpt", "batch_shares", "accumulation")]
 
 
@@ -186,6 +204,12 @@ def test_each_rank_holds_its_share_of_parameters_gradients_and_optimizer_state(r
     small, large = stored[-1], stored[0]
     for kind in ("params", "grads", "optimizer"):
         assert small[kind] * 2 < large[kind], (kind, stored)  # the small rank really holds less
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_meta_model_materializes_its_uneven_rows(results, world):
+    for rank in results(world):
+        assert rank["materialized"] == 0.0, rank["materialized"]
 
 
 def test_a_state_dict_loads_back_into_the_same_uneven_layout(results):

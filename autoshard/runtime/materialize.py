@@ -41,6 +41,10 @@ class _FillLikeOneProcess(TorchFunctionMode):
     this mode off (a mode is off inside its own handler), so the inner fills cannot be caught.
     """
 
+    def __init__(self, rows: dict[int, tuple[int, ...]]) -> None:
+        super().__init__()
+        self.rows = rows  # id of a parameter cut by state shares -> every rank's rows
+
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         # nn.init functions dispatch with the tensor as a keyword; methods take it first.
@@ -63,8 +67,7 @@ class _FillLikeOneProcess(TorchFunctionMode):
             else:  # one full parameter, transient: the same draws as in one process
                 full = torch.empty(target.shape, dtype=local.dtype, device=local.device)
                 call(full)
-            rows = getattr(getattr(target, "_autoshard_spec", None), "rows", ())  # state shares' rows, if any
-            local.copy_(local_chunk(full, target.device_mesh, target.placements, rows))
+            local.copy_(local_chunk(full, target.device_mesh, target.placements, self.rows.get(id(target), ())))
         return target
 
 
@@ -85,7 +88,9 @@ def shards_in_place(module: nn.Module) -> Iterator[nn.Module]:
     """Inside, ``module.weight`` and friends are the sharded DTensor parameters themselves
     (not the gathered copies a forward reads), and random fills into them draw as one process
     would: write an init that works on shards."""
-    with parameters_as_shards(), _FillLikeOneProcess():
+    rows = {id(mod._parameters[name]): spec.rows for mod in module.modules()
+            for name, spec in getattr(mod, "_autoshard_specs", {}).items() if spec.rows}
+    with parameters_as_shards(), _FillLikeOneProcess(rows):
         yield module
 
 
