@@ -15,15 +15,16 @@ the four ranks run at about 2/3 of the others' speed. Waiting in a gloo collecti
 so a rank that waits gives its core to the ranks that share it.
 
 Per world size, in one run and in fresh processes: each rank times the model's forward and
-backward on a fixed local batch, alone (no collective), under the same pinning and load:
-its speed. The planned split gives each rank samples in proportion to its speed
-(``autoshard.batch_sizes``); the equal split gives every rank the same. Then the sharded,
-compiled model (``autoshard.shard`` with ``batch_shares``) trains ``--rounds`` rounds of
-``--steps`` steps, alternating equal and planned rounds (so load from anything else on the
-machine falls on both alike), and the median step of each is printed with their ratio.
-Training under each split is exact (the gradient reduction weights each rank by its share),
-so the ratio is the time saved, nothing traded. Target at 2 ranks, one rank at half speed:
-planned <= 0.75x equal (ideal 2/3: the slow rank's half-speed share of the batch sets the step).
+backward on a fixed local batch, alone (no collective), under the same pinning and load: its
+speed. Three splits of the same global batch: equal; by speed (samples in proportion to speed,
+``autoshard.batch_sizes``); and planned, which also counts the step's fixed work (collectives
+and optimizer, which the slow core runs slowly too, see ``_planned``), read off one timed round
+of the equal split. Then the sharded, compiled model (``autoshard.shard`` with
+``batch_shares``) trains ``--rounds`` rounds of ``--steps`` steps, the three splits in turn
+(so load from anything else on the machine falls on all alike), and the median step of each is
+printed with the ratio planned / equal. Training under each split is exact (the gradient
+reduction weights each rank by its share), so the ratio is the time saved, nothing traded.
+Target at 2 ranks, one rank at half speed: planned <= 0.75x equal (ideal 2/3 with no fixed work).
 """
 from __future__ import annotations
 
@@ -104,6 +105,20 @@ def _speed(samples: int, seconds: float = 1.5) -> float:
     return samples / statistics.median(times)
 
 
+def _planned(speeds: list[float], global_batch: int, equal_step: float) -> list[float]:
+    """Shares that finish every rank together when each step also holds fixed work (the
+    collectives' CPU side and the optimizer, which under this emulation run on the slow core
+    too): rank r's step is ``(fixed + b_r) / v_r`` with ``fixed`` in samples' worth of work.
+    The equal split's measured step fixes it: the slowest rank sets that step, so
+    ``fixed = equal_step * v_min - b_equal``. Equal finish under sum(b) = B then gives
+    ``T = (B + n * fixed) / sum(v)`` and ``b_r = T * v_r - fixed``. With no fixed work this
+    is the speed-proportional split."""
+    world = len(speeds)
+    fixed = max(0.0, equal_step * min(speeds) - global_batch / world)
+    step = (global_batch + world * fixed) / sum(speeds)
+    return [max(step * v - fixed, 1.0) for v in speeds]
+
+
 def _train(compiler: str, rounds: int, steps: int, given: list[float] | None) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     core = _pin(rank)
@@ -111,8 +126,7 @@ def _train(compiler: str, rounds: int, steps: int, given: list[float] | None) ->
     speeds = [torch.zeros(1) for _ in range(world)]
     dist.all_gather(speeds, torch.tensor([speed]))
     speeds = [s.item() for s in speeds]
-    splits = {"equal": [GLOBAL_BATCH // world] * world,
-              "planned": autoshard.batch_sizes(given or speeds, GLOBAL_BATCH)}
+    splits = {"equal": [GLOBAL_BATCH // world] * world, "speed": autoshard.batch_sizes(speeds, GLOBAL_BATCH)}
     model = autoshard.shard(_model(), batch_shares=splits["equal"])
     run = model if compiler == "uncompiled" else torch.compile(model, backend="autoshard", options={"compiler": compiler},
                                                                dynamic=False)
@@ -125,20 +139,31 @@ def _train(compiler: str, rounds: int, steps: int, given: list[float] | None) ->
         opt.step()
         opt.zero_grad()
 
-    found: dict[str, list[float]] = {name: [] for name in splits}
-    for name, sizes in splits.items():  # warm up: compile both shapes
+    def timed(sizes: list[int]) -> float:
         autoshard.set_batch_shares(model, sizes)
         step(0)
+        dist.barrier()
+        start = time.perf_counter()
+        for i in range(steps):
+            step(i + 1)
+        dist.barrier()
+        return (time.perf_counter() - start) / steps
+
+    for sizes in splits.values():  # warm up: compile both shapes
+        autoshard.set_batch_shares(model, sizes)
+        step(0)
+    # The planned split: speeds plus the fixed work the equal split's step shows (every rank
+    # takes the slowest rank's measure, so all plan the same split).
+    equal_step = torch.tensor([timed(splits["equal"])])
+    dist.all_reduce(equal_step, op=dist.ReduceOp.MAX)
+    shares = given or _planned(speeds, GLOBAL_BATCH, equal_step.item())
+    splits["planned"] = autoshard.batch_sizes(shares, GLOBAL_BATCH)
+    autoshard.set_batch_shares(model, splits["planned"])
+    step(0)  # compile its shape
+    found: dict[str, list[float]] = {name: [] for name in splits}
     for r in range(rounds):
         for name, sizes in splits.items():
-            autoshard.set_batch_shares(model, sizes)
-            step(0)
-            dist.barrier()
-            start = time.perf_counter()
-            for i in range(steps):
-                step(i + 1)
-            dist.barrier()
-            found[name].append((time.perf_counter() - start) / steps)
+            found[name].append(timed(sizes))
     return {"core": core, "speed": speed, "speeds": speeds, "splits": splits,
             "step": {name: statistics.median(times) for name, times in found.items()}}
 
@@ -171,14 +196,15 @@ def main() -> None:
     slow = cores[0] if args.slow else None
     print(f"torch {torch.__version__}, cores {cores}, busy process on core {slow}, {LAYERS} layers x {WIDTH} applied "
           f"{REPEATS} times, global batch {GLOBAL_BATCH}, {args.compiler}, {args.rounds} rounds x {args.steps} steps per split")
-    print(f"{'ranks':>5}  {'speed (samples/s per rank)':<32} {'planned split':<18} {'equal ms':>9} {'planned ms':>11} {'ratio':>6}")
+    print(f"{'ranks':>5}  {'speed (samples/s per rank)':<28} {'planned split':<20} {'equal ms':>9} {'by speed ms':>12} "
+          f"{'planned ms':>11} {'ratio':>6}")
     for world in (int(w) for w in args.worlds.split(",")):
         started = time.perf_counter()
         found = _measure(world, args)
         speeds = ", ".join(f"{s:.0f}" for s in found["speeds"])
-        equal, planned = found["step"]["equal"], found["step"]["planned"]
-        print(f"{world:>5}  {speeds:<32} {str(found['splits']['planned']):<18} {equal * 1e3:>9.1f} {planned * 1e3:>11.1f} "
-              f"{planned / equal:>6.2f}   ({time.perf_counter() - started:.0f} s)")
+        equal, by_speed, planned = (found["step"][name] for name in ("equal", "speed", "planned"))
+        print(f"{world:>5}  {speeds:<28} {str(found['splits']['planned']):<20} {equal * 1e3:>9.1f} {by_speed * 1e3:>12.1f} "
+              f"{planned * 1e3:>11.1f} {planned / equal:>6.2f}   ({time.perf_counter() - started:.0f} s)")
 
 
 if __name__ == "__main__":
