@@ -10,7 +10,9 @@ forward/backward graphs on the cost model's device profile (autoshard.tools.simu
 
 Schedules: "none" (gather at use, reduce at the end), "fsdp2" (FSDP2's policy on the same
 buckets: prefetch the next block, one reduce-scatter in flight), "inductor" (PyTorch's own
-bucketing and overlap scheduler) and "autoshard". Gaps are to the simulator's lower bounds
+bucketing and overlap scheduler), "autoshard", and "autoshard_keep" (autoshard with
+``reshard_after_forward=False``: gathered parameters kept from forward to backward, as SimpleFSDP
+keeps them). Gaps are to the simulator's lower bounds
 (autoshard.tools.simulator.StepAnalysis). ``--precisions fp32 bf16`` adds each schedule gathered and
 computed in bfloat16 with gradients reduced in float32 (``MixedPrecision(bfloat16, float32)``);
 shards and optimizer state stay float32. ``--planned`` adds a row per precision for the layout
@@ -43,7 +45,7 @@ from autoshard.tools.simulator import analyze, kwh_per_million_tokens  # noqa: E
 import simple_fsdp  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
 
-SCHEDULES = ("none", "fsdp2", "inductor", "autoshard")
+SCHEDULES = ("none", "fsdp2", "inductor", "autoshard", "autoshard_keep")
 SIMPLE_FSDP = ("simplefsdp_auto", "simplefsdp_block")
 BF16 = autoshard.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 # GPT-2 small / medium, GPT-3 XL, and an 8B shape with Llama 3's width and vocabulary.
@@ -75,6 +77,8 @@ def measure(cfg: GPTConfig, world: int, batch: int, schedule: str, profile: str,
                 model = autoshard.shard(GPT(cfg), mesh, mixed_precision=BF16 if precision == "bf16" else None)
             idx = torch.zeros(batch, cfg.block_size, dtype=torch.long)
             options = {"compiler": "aot_eager", "schedule": schedule, "profile": profile}
+            if schedule == "autoshard_keep":  # SimpleFSDP's choice, like for like: gathered parameters kept for backward
+                options.update(schedule="autoshard", reshard_after_forward=False)
             torch.compile(model, backend="autoshard", options=options)(idx, idx).backward()
         (stages,) = graphs
         a = analyze(stages["forward"], stages["backward"], profile)

@@ -61,8 +61,9 @@ import simple_fsdp  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
 
 OURS = ("ddp", "fsdp2", "fsdp2_compile", "autoshard_none", "autoshard")
+KEEP = ("autoshard_keep",)  # SimpleFSDP's choice, like for like: not resharding after forward
 SIMPLE_FSDP = tuple(simple_fsdp.VARIANTS)
-SYSTEMS = OURS + SIMPLE_FSDP
+SYSTEMS = OURS + KEEP + SIMPLE_FSDP
 DEFAULT_SYSTEMS = OURS + ("simplefsdp", "simplefsdp_auto", "simplefsdp_block")
 PARITY_TOL = 1e-5
 MEMORY_METHOD = (
@@ -111,10 +112,10 @@ def setup_fsdp2_compile(model: GPT, args: argparse.Namespace) -> tuple:
     return torch.compile(model, backend=args.fsdp2_compile_backend), model
 
 
-def _setup_autoshard(model: GPT, schedule: str) -> tuple:
+def _setup_autoshard(model: GPT, schedule: str, reshard_after_forward: bool | None = None) -> tuple:
     # The backend's own "profile" option keeps its default ("cpu" off CUDA); --profile only
     # changes the profile the prediction below is made with.
-    autoshard.shard(model)
+    autoshard.shard(model, reshard_after_forward=reshard_after_forward)
     options = {"compiler": "aot_eager", "schedule": schedule}
     return torch.compile(model, backend="autoshard", options=options), model
 
@@ -127,7 +128,13 @@ def setup_autoshard(model: GPT, args: argparse.Namespace) -> tuple:
     return _setup_autoshard(model, "autoshard")
 
 
-SETUPS = {name: globals()[f"setup_{name}"] for name in OURS}
+def setup_autoshard_keep(model: GPT, args: argparse.Namespace) -> tuple:
+    # Gathered parameters kept from forward to backward (ZeRO-2 within the step, parameters
+    # sharded between steps), as SimpleFSDP does: no gathers in backward, more memory.
+    return _setup_autoshard(model, "autoshard", reshard_after_forward=False)
+
+
+SETUPS = {name: globals()[f"setup_{name}"] for name in OURS + KEEP}
 SETUPS.update((name, lambda model, args, name=name: simple_fsdp.setup(name, model)) for name in SIMPLE_FSDP)
 
 
@@ -417,10 +424,10 @@ def main() -> None:
                   f"with compute measured in the run: {r['pred_error_in_run']:+.0%}")
     for world in args.world_sizes:
         mine = {r["system"]: r for r in rows if r["world"] == world}
-        if "autoshard" in mine:
+        for ours in (o for o in ("autoshard",) + KEEP if o in mine):
             for s in (s for s in args.systems if s in SIMPLE_FSDP):
-                print(f"world {world} autoshard / {s}: step {mine['autoshard']['step_ms'] / mine[s]['step_ms']:.2f}x, "
-                      f"peak {mine['autoshard']['peak_mib'] / mine[s]['peak_mib']:.2f}x")
+                print(f"world {world} {ours} / {s}: step {mine[ours]['step_ms'] / mine[s]['step_ms']:.2f}x, "
+                      f"peak {mine[ours]['peak_mib'] / mine[s]['peak_mib']:.2f}x")
         if "ddp" in mine:
             sharded = [s for s in mine if s != "ddp"]
             ok = all(mine["ddp"]["peak_mib"] > mine[s]["peak_mib"] for s in sharded)

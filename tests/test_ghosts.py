@@ -9,6 +9,7 @@ import torch
 from torch import fx, nn
 
 import autoshard
+from autoshard.compiler.dump import recording
 from autoshard.passes import unbatch_annotations
 from autoshard.passes.graph_utils import arg, is_op
 from autoshard.runtime import batched, leaves, ops
@@ -121,3 +122,30 @@ def test_unbatch_puts_each_gather_before_its_first_use_and_each_reduce_after_its
     assert not any(n.target is operator.getitem and is_op(n.args[0], annotations.unshard_all) for n in gm.graph.nodes)
     unbatch_annotations(gm)  # idempotent
     assert events(gm) == drawing("after")
+
+
+def _gathers_run(step) -> int:
+    """All-gathers a call of ``step`` (forward and backward) runs."""
+    with torch.profiler.profile() as prof:
+        step()
+    return sum(e.count for e in prof.key_averages() if "all_gather" in e.key)
+
+
+def test_two_models_of_one_class_sharded_differently_each_run_their_own_graph():
+    """A traced read returns a ghost, whose spec Dynamo does not see; the root's layout key
+    (leaves.layout_key) is what it guards on. Without it a second model of the class, reaching
+    the frame compiled for the first, ran the first's graph: its gathers, its groups, its dtypes."""
+    with fake_world(4):
+        torch.manual_seed(0)
+        models = {"reshard": autoshard.shard(build("mlp"), reshard_after_forward=True),
+                  "keep": autoshard.shard(build("mlp"), reshard_after_forward=False),
+                  "reshard_too": autoshard.shard(build("mlp"), reshard_after_forward=True)}
+        assert leaves.layout_key(models["reshard"]) == leaves.layout_key(models["reshard_too"]) != leaves.layout_key(models["keep"])
+        x = batch("mlp", 0)
+        compiled = {name: torch.compile(m, backend="autoshard", options={"compiler": "aot_eager"}) for name, m in models.items()}
+        for name in ("reshard", "keep", "reshard_too"):  # each compiles in its first call
+            compiled[name](*x).backward()
+        with recording() as graphs:
+            gathers = {name: _gathers_run(lambda: compiled[name](*x).backward()) for name in compiled}
+        assert not graphs  # nothing compiled again
+        assert gathers["reshard"] == gathers["reshard_too"] > gathers["keep"] > 0  # gathered again in backward

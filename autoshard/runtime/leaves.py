@@ -35,6 +35,7 @@ optimizers act on both at once. Leaves are rebuilt when the shard's storage chan
 """
 from __future__ import annotations
 
+import hashlib
 import weakref
 from typing import Any, Iterator, NamedTuple, Sequence
 
@@ -148,6 +149,7 @@ def ghost_leaves(x: Any) -> Leaves | None:
 
 
 CHECK = "_autoshard_check_leaves"  # on each module passed to shard(): see attach_check
+LAYOUT = "_autoshard_layout"  # on each module passed to shard(): its sharding in one string, see attach_check
 # On each module owning sharded parameters: whether the graph being traced gathers ghosts. Set
 # as Dynamo starts tracing a root's forward (attach_check): only for autoshard's backend (any
 # other would compute with them).
@@ -183,7 +185,7 @@ def attach_check(root: nn.Module) -> None:
     as the check holds its module."""
     owner = weakref.ref(root)
 
-    def check(changes_seen: int) -> bool:  # changes_seen: :data:`changes`, for Dynamo's guard
+    def check(changes_seen: int, layout: str) -> bool:  # both for Dynamo's guards (check_before_tracing)
         ghosts = tracing_for_backend()
         modules = {}
         for module, name in _sharded(owner()):
@@ -195,14 +197,25 @@ def attach_check(root: nn.Module) -> None:
         return True
 
     root.__dict__[CHECK] = torch.compiler.assume_constant_result(check)
+    root.__dict__[LAYOUT] = layout_key(root)
+
+
+def layout_key(root: nn.Module) -> str:
+    """Every sharded parameter's spec under ``root`` (groups, rows, reshard, dtypes), hashed.
+    A traced read returns a ghost, which carries the spec to the backend but not into Dynamo's
+    guards: two models of one class sharded differently would share a compiled graph (and its
+    collectives) without this string, which the traced forward passes to the check."""
+    specs = sorted((m._autoshard_specs[name].head, m._autoshard_specs[name].tail) for m, name in _sharded(root))
+    return hashlib.sha1(repr(specs).encode()).hexdigest()
 
 
 def check_before_tracing(root: nn.Module) -> None:
     """What the forward of each module passed to ``shard`` calls first: while Dynamo traces,
     sync the leaves the traced reads will wrap (eagerly each read syncs its own leaf), and say
-    whether they may read ghosts."""
+    whether they may read ghosts. Its arguments are what Dynamo guards on: :data:`changes` and
+    the root's sharding (:func:`layout_key`)."""
     if torch.compiler.is_compiling():
-        root.__dict__[CHECK](changes)
+        root.__dict__[CHECK](changes, getattr(root, LAYOUT))
 
 
 # How many times a compiled graph found a parameter's requires_grad changed since it was
