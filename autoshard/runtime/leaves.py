@@ -205,7 +205,7 @@ def layout_key(root: nn.Module) -> str:
     A traced read returns a ghost, which carries the spec to the backend but not into Dynamo's
     guards: two models of one class sharded differently would share a compiled graph (and its
     collectives) without this string, which the traced forward passes to the check."""
-    specs = sorted((m._autoshard_specs[name].head, m._autoshard_specs[name].tail) for m, name in _sharded(root))
+    specs = sorted(repr((m._autoshard_specs[name].head, m._autoshard_specs[name].tail)) for m, name in _sharded(root))
     return hashlib.sha1(repr(specs).encode()).hexdigest()
 
 
