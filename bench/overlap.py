@@ -70,15 +70,17 @@ def measure(cfg: GPTConfig, world: int, batch: int, schedule: str, profile: str,
     fake_process_group(0, world)
     try:
         mesh = init_device_mesh("cpu", (world,))  # outside fake mode: building a mesh reads real tensors
+        # autoshard_keep: the autoshard schedule with gathered parameters kept for backward
+        # (SimpleFSDP's choice, like for like), set on shard() as in bench/real.py.
+        keep = schedule == "autoshard_keep"
         with fake_tensor_mode(), recording() as graphs:
             if plan is not None:
                 model = autoshard.shard(GPT(cfg), plan=plan)
             else:
-                model = autoshard.shard(GPT(cfg), mesh, mixed_precision=BF16 if precision == "bf16" else None)
+                model = autoshard.shard(GPT(cfg), mesh, mixed_precision=BF16 if precision == "bf16" else None,
+                                        reshard_after_forward=False if keep else None)
             idx = torch.zeros(batch, cfg.block_size, dtype=torch.long)
-            options = {"compiler": "aot_eager", "schedule": schedule, "profile": profile}
-            if schedule == "autoshard_keep":  # SimpleFSDP's choice, like for like: gathered parameters kept for backward
-                options.update(schedule="autoshard", reshard_after_forward=False)
+            options = {"compiler": "aot_eager", "schedule": "autoshard" if keep else schedule, "profile": profile}
             torch.compile(model, backend="autoshard", options=options)(idx, idx).backward()
         (stages,) = graphs
         a = analyze(stages["forward"], stages["backward"], profile)
