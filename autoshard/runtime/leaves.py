@@ -205,8 +205,9 @@ def layout_key(root: nn.Module) -> str:
     A traced read returns a ghost, which carries the spec to the backend but not into Dynamo's
     guards: two models of one class sharded differently would share a compiled graph (and its
     collectives) without this string, which the traced forward passes to the check."""
-    specs = sorted(repr((m._autoshard_specs[name].head, m._autoshard_specs[name].tail)) for m, name in _sharded(root))
-    return hashlib.sha1(repr(specs).encode()).hexdigest()
+    specs = (m._autoshard_specs[name] for m, name in _sharded(root))
+    # Sorted as text: a replicated parameter's head holds its name where a sharded one's holds rows.
+    return hashlib.sha1(repr(sorted(repr((spec.head, spec.tail)) for spec in specs)).encode()).hexdigest()
 
 
 def check_before_tracing(root: nn.Module) -> None:
