@@ -53,14 +53,15 @@ def _split(bucket: list[fx.Node], cap: int) -> list[list[fx.Node]]:
     return parts
 
 
-def plan_buckets(nodes: Sequence[fx.Node], bucket_bytes: int | None = None) -> list[list[fx.Node]]:
+def plan_buckets(nodes: Sequence[fx.Node], bucket_bytes: int | None = None, blocks_per_bucket: int = 1) -> list[list[fx.Node]]:
     """Group collectives of one kind (in graph order) into buckets.
 
     One bucket per repeated block (consecutive collectives of parameters in the same block);
     a run of parameters outside any block joins the next (else the previous) block bucket
     when it is small (at most ``SMALL_LEFTOVER`` of that bucket), else it is a bucket of its
     own. Without blocks, consecutive collectives fill buckets up to ``bucket_bytes`` (default
-    64 MiB). With ``bucket_bytes``, larger buckets are split.
+    64 MiB). ``blocks_per_bucket``: the buckets of that many consecutive blocks are one (see
+    :func:`_merge_blocks`). With ``bucket_bytes``, larger buckets are split.
     Only compatible collectives (same op, group, dtype) share a bucket. Deterministic: it
     depends on names, order and sizes only.
     """
@@ -97,9 +98,28 @@ def plan_buckets(nodes: Sequence[fx.Node], bucket_bytes: int | None = None) -> l
                     break
     order = positions(nodes)
     result = [sorted(b, key=order.__getitem__) for b in buckets if b]
+    if blocks_per_bucket > 1:
+        result = _merge_blocks(result, blocks_per_bucket)
     if bucket_bytes:
         result = [part for bucket in result for part in _split(bucket, bucket_bytes)]
     return result
+
+
+def _merge_blocks(buckets: list[list[fx.Node]], k: int) -> list[list[fx.Node]]:
+    """Consecutive compatible block buckets, ``k`` at a time, as one: one collective's latency
+    for ``k`` blocks (what a latency-bound all-reduce across many nodes pays per bucket). A
+    bucket of no block (a large leftover) stays alone and ends the run before it."""
+    merged: list[list[fx.Node]] = []
+    count = 0  # blocks in merged[-1]; 0: not a block bucket
+    for bucket in buckets:
+        in_block = any(block_of(n.meta[PARAMS][0]) is not None for n in bucket)
+        if in_block and 0 < count < k and _compatible(merged[-1][-1], bucket[0]):
+            merged[-1].extend(bucket)
+            count += 1
+        else:
+            merged.append(list(bucket))
+            count = 1 if in_block else 0
+    return merged
 
 
 def _view(graph: fx.Graph, x: fx.Node, shape: list[int]) -> fx.Node:
@@ -247,14 +267,18 @@ _REWRITES = {
 }
 
 
-def planned_buckets(graph: fx.Graph, bucket_mb: float | None = None) -> dict[Any, list[list[fx.Node]]]:
+def planned_buckets(graph: fx.Graph, bucket_mb: float | None = None, all_reduce_blocks: int = 1) -> dict[Any, list[list[fx.Node]]]:
     """The buckets :func:`bucket_collectives` makes of ``graph``'s per-parameter collectives,
-    by op (in rewrite order; a bucket of one is left as it is), without changing the graph."""
+    by op (in rewrite order; a bucket of one is left as it is), without changing the graph.
+    ``all_reduce_blocks``: blocks per all-reduce bucket (the backend option)."""
     bucket_bytes = mib_to_bytes(bucket_mb)
-    return {op: plan_buckets([n for n in collectives(graph, op) if PARAMS in n.meta], bucket_bytes) for op in _REWRITES}
+    return {op: plan_buckets([n for n in collectives(graph, op) if PARAMS in n.meta], bucket_bytes,
+                             all_reduce_blocks if op is c10d.all_reduce.default else 1) for op in _REWRITES}
 
 
-def bucket_collectives(gm: fx.GraphModule, bucket_mb: float | None = None, opaque_copies: bool = False) -> fx.GraphModule:
+def bucket_collectives(
+    gm: fx.GraphModule, bucket_mb: float | None = None, opaque_copies: bool = False, all_reduce_blocks: int = 1
+) -> fx.GraphModule:
     """Replace the per-parameter all-gathers, reduce-scatters and all-reduces of a forward or
     backward graph by one flat collective per bucket (see :func:`plan_buckets`).
 
@@ -274,13 +298,16 @@ def bucket_collectives(gm: fx.GraphModule, bucket_mb: float | None = None, opaqu
     parameters' consumers and the gradients' producers as for the unsharded model, into the
     same kernels for every block; fused, the copies at each bucket's offsets made kernels of
     their own.
+
+    ``all_reduce_blocks``: the all-reduces of that many consecutive blocks share a bucket
+    (the backend option of that name); gathers and reduce-scatters keep one per block.
     """
     graph = gm.graph
     pos = positions(graph.nodes)  # priorities refer to the order before any rewrite
     priority: dict[fx.Node, float] = {}
     replacer = Replacer(graph)
     # Planned before any rewrite: a rewrite leaves the other kinds' collectives as they are.
-    for op, buckets in planned_buckets(graph, bucket_mb).items():
+    for op, buckets in planned_buckets(graph, bucket_mb, all_reduce_blocks).items():
         for bucket in buckets:
             if len(bucket) > 1:
                 _REWRITES[op](graph, bucket, pos, priority, opaque_copies, replacer)

@@ -70,6 +70,8 @@ BAD_OPTIONS = [
     *_positive("memory_budget_gb", "GiB"),
     *[({"optimizer_states": bad}, rf"^autoshard option 'optimizer_states' must be a whole number >= 0 \(2 for Adam/AdamW\), "
                                   rf"got {re.escape(repr(bad))}\.$") for bad in (-1, 1.5, True, "2")],
+    *[({"all_reduce_blocks": bad}, rf"^autoshard option 'all_reduce_blocks' must be a whole number >= 1 \(1: one all-reduce per "
+                                   rf"block\), got {re.escape(repr(bad))}\.$") for bad in (0, -2, 2.0, True, "2", None)],
     ({"profile": "tpu"}, r"^autoshard option 'profile': unknown device profile 'tpu'; use one of \['a100', 'cpu', 'h100'\]"),
 ]
 
@@ -97,8 +99,10 @@ def test_an_unreadable_profile_file_is_named(tmp_path):
 def test_good_values_pass():
     """The boundaries of the checks above: the smallest good values are accepted as given."""
     opts = parse_options({"bucket_mb": 0.5, "max_inflight_mb": 1, "memory_budget_gb": 1e-3, "optimizer_states": 0,
-                          "reshard_after_forward": False, "schedule": "none", "profile": "a100", "debug_dir": "d"})
+                          "all_reduce_blocks": 1, "reshard_after_forward": False, "schedule": "none", "profile": "a100",
+                          "debug_dir": "d"})
     assert (opts.bucket_mb, opts.max_inflight_mb, opts.memory_budget_gb, opts.optimizer_states) == (0.5, 1, 1e-3, 0)
+    assert opts.all_reduce_blocks == 1 and parse_options({"all_reduce_blocks": 3}).all_reduce_blocks == 3
     assert (opts.reshard_after_forward, opts.schedule, opts.profile, opts.debug_dir) == (False, "none", "a100", "d")
     assert parse_options({"reshard_after_forward": True}).reshard_after_forward is True
     assert parse_options({"debug_dir": Path("d") / "e"}).debug_dir == str(Path("d") / "e")  # os.PathLike, kept as a string

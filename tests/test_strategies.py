@@ -14,17 +14,18 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from torch import fx
+from torch import fx, nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import autoshard
 from autoshard._compat import c10d
-from autoshard.passes.graph_utils import collectives, positions, wait_of
+from autoshard.passes.graph_utils import PARAMS, block_of, collectives, positions, wait_of
 from autoshard.passes.schedule import PLAN
 from autoshard.runtime.ops import local_rows
 from autoshard.tools.launch import run_ranks
 
-from fake_pg import count, fake_world, sharded_step
+from fake_pg import count, fake_world, same_tokens, sharded_step
+from gpt import GPT, GPTConfig
 from models import GLOBAL_BATCH, batch, build
 from trainer import BF16, full_optimizer_state, param_error, train_mixed_precision, train_pair
 
@@ -220,3 +221,28 @@ def test_mixed_precision_dtypes_must_be_floating_point():
     message = r"autoshard.MixedPrecision: param_dtype must be a floating-point torch.dtype or None, got torch.int8"
     with pytest.raises(ValueError, match=message):
         autoshard.MixedPrecision(param_dtype=torch.int8)
+
+
+def _four_blocks() -> nn.Module:
+    return GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=2, n_embd=32))
+
+
+@pytest.mark.parametrize("strategy, mesh", [("replicate", None), ("hybrid", (2, GRAPH_WORLD // 2))])
+def test_all_reduce_blocks_puts_that_many_blocks_in_one_all_reduce_and_keeps_the_gradients(strategy, mesh):
+    """all_reduce_blocks=2 on 4 blocks: two all-reduces of two blocks each (a leftover joins
+    its block as before), and every gradient as with one all-reduce per block (the fake
+    group's all-reduce returns its input: a wrong slice shows)."""
+    tokens = same_tokens(lambda: torch.randint(0, 64, (1, 16), generator=torch.Generator().manual_seed(0)))
+    found = {}
+    for k in (1, 2):
+        torch.manual_seed(0)
+        with sharded_step(_four_blocks, tokens, world_size=GRAPH_WORLD, mesh=mesh, strategy=strategy,
+                          options={"all_reduce_blocks": k}) as step:
+            grads = {n: getattr(p.grad, "_local_tensor", p.grad).clone() for n, p in step.model.named_parameters()}
+        blocks = [{block_of(name) for name in r.meta[PARAMS]} - {None}
+                  for r in collectives(step.backward.graph, c10d.all_reduce.default)]
+        found[k] = blocks, grads
+    assert [len(b) for b in found[1][0]] == [1] * 4
+    assert [len(b) for b in found[2][0]] == [2, 2] and found[2][0][0] | found[2][0][1] == set().union(*found[1][0])
+    assert found[1][1].keys() == found[2][1].keys() and any(g.abs().sum() > 0 for g in found[1][1].values())
+    assert all(torch.equal(found[1][1][n], found[2][1][n]) for n in found[1][1])

@@ -38,15 +38,16 @@ Schedule = Callable[[fx.GraphModule, "int | None"], None]
 DOES_NOT_FIT = (OverBudgetError, InflightCapError)
 
 
-def step_time_floor(gm: fx.GraphModule, bucket_mb: float | None, timing: ScheduleConfig) -> float:
+def step_time_floor(gm: fx.GraphModule, bucket_mb: float | None, timing: ScheduleConfig, all_reduce_blocks: int = 1) -> float:
     """A lower bound of the step time of ``gm`` (lowered, not bucketed) bucketed at
     ``bucket_mb``, in any order: its collectives run one after another and each is waited for,
     so the step lasts at least their sum; and it runs every compute node of ``gm`` (bucketing
     adds copies, priced at 0 or more) plus what each collective takes from compute.
-    ``timing``: the config the schedule prices graphs with (a floor must price them alike)."""
+    ``timing``: the config the schedule prices graphs with (a floor must price them alike);
+    ``all_reduce_blocks``: as :func:`bucket_collectives` takes it."""
     graph = gm.graph
     durations, bucketed = [], set()
-    for buckets in planned_buckets(graph, bucket_mb).values():
+    for buckets in planned_buckets(graph, bucket_mb, all_reduce_blocks).values():
         for bucket in buckets:
             durations.append(timing.comm_time(bucket[0], sum(collective_of(n).nbytes for n in bucket)))
             bucketed.update(bucket)
@@ -69,13 +70,14 @@ class _Trial(fx.GraphModule):
         return None
 
 
-def _bucketed(gm: fx.GraphModule, bucket_mb: float | None, opaque_copies: bool) -> fx.GraphModule:
+def _bucketed(gm: fx.GraphModule, bucket_mb: float | None, opaque_copies: bool, all_reduce_blocks: int) -> fx.GraphModule:
     # A copy sharing the nodes' values (a deep copy would copy every fake tensor).
-    return bucket_collectives(_Trial(gm, copy_graph(gm.graph)), bucket_mb, opaque_copies)
+    return bucket_collectives(_Trial(gm, copy_graph(gm.graph)), bucket_mb, opaque_copies, all_reduce_blocks)
 
 
-def _trial(gm: fx.GraphModule, bucket_mb: float | None, schedule: Schedule, budget: int | None, opaque_copies: bool) -> fx.GraphModule:
-    trial = _bucketed(gm, bucket_mb, opaque_copies)
+def _trial(gm: fx.GraphModule, bucket_mb: float | None, schedule: Schedule, budget: int | None, opaque_copies: bool,
+           all_reduce_blocks: int) -> fx.GraphModule:
+    trial = _bucketed(gm, bucket_mb, opaque_copies, all_reduce_blocks)
     schedule(trial, budget)
     return trial
 
@@ -84,7 +86,8 @@ Choice = tuple["float | None", "SchedulePlan | None", fx.GraphModule]
 
 
 def choose_bucket_mb(
-    gm: fx.GraphModule, schedule: Schedule, budget: int | None, timing: ScheduleConfig | None = None, opaque_copies: bool = False
+    gm: fx.GraphModule, schedule: Schedule, budget: int | None, timing: ScheduleConfig | None = None, opaque_copies: bool = False,
+    all_reduce_blocks: int = 1,
 ) -> Choice:
     """(bucket cap in MiB, None for block buckets; the schedule's plan for it; ``gm``'s
     graph bucketed at that cap, in its order before scheduling) for a lowered graph.
@@ -96,15 +99,15 @@ def choose_bucket_mb(
     plan is the one to schedule the bucketed graph with (no second search). ``gm`` is left
     as it is. ``timing``: how ``schedule`` prices graphs; with it, a split that
     :func:`step_time_floor` rules out is not tried (the choice is the same).
-    ``opaque_copies``: as :func:`bucket_collectives` takes it."""
+    ``opaque_copies``, ``all_reduce_blocks``: as :func:`bucket_collectives` takes them."""
     default = budget is None
     plan: SchedulePlan | None = None
     try:
-        blocks = _trial(gm, None, schedule, budget, opaque_copies)
+        blocks = _trial(gm, None, schedule, budget, opaque_copies, all_reduce_blocks)
     except DOES_NOT_FIT:
         if budget is None:
             raise
-        blocks = _bucketed(gm, None, opaque_copies)
+        blocks = _bucketed(gm, None, opaque_copies, all_reduce_blocks)
     else:
         plan = blocks.meta[PLAN]
         if not plan.forced:  # the fastest plan fits: nothing to gain from splitting
@@ -115,10 +118,11 @@ def choose_bucket_mb(
     error = None
     for parts in SPLITS if sizes else ():
         mb = max(sizes) / parts / 2**20
-        if timing is not None and fitting and step_time_floor(gm, mb, timing) > min(c[1].step_time for c in fitting) * (1 + TIES):
+        floor = step_time_floor(gm, mb, timing, all_reduce_blocks) if timing is not None and fitting else None
+        if floor is not None and floor > min(c[1].step_time for c in fitting) * (1 + TIES):
             continue  # slower than a fitting candidate beyond ties, whatever its order: never chosen
         try:
-            trial = _trial(gm, mb, schedule, budget, opaque_copies)
+            trial = _trial(gm, mb, schedule, budget, opaque_copies, all_reduce_blocks)
             fitting.append((mb, trial.meta[PLAN], trial))
         except DOES_NOT_FIT as e:
             error = e

@@ -42,6 +42,11 @@ class Options:
         no more than FSDP2 eager needs on the same graph and device (see "fsdp2").
     optimizer_states: tensors the optimizer keeps per parameter, each the size of its shard
         (2 for Adam and AdamW, 1 for SGD with momentum, 0 for plain SGD), for the budget.
+    all_reduce_blocks: the all-reduces of this many consecutive repeated blocks share one
+        bucket (hybrid's replica all-reduce, replicate's all-reduce): one ring's latency for k
+        blocks, for a bucket k times the size that starts once the k-th block's gradients are
+        ready. A whole number >= 1; default 1: one per block. ``autoshard.plan`` may choose it
+        on a mixed cluster (``Plan.compile_options``). Without repeated blocks it changes nothing.
     profile: the cost model's device profile for scheduling decisions: a name ("h100",
         "a100", "cpu") or a .json file from ``python -m autoshard calibrate``; default: "h100"
         for graphs on CUDA, "cpu" otherwise.
@@ -56,6 +61,7 @@ class Options:
     memory_budget_gb: float | None = None
     optimizer_states: int = 2
     profile: str | None = None
+    all_reduce_blocks: int = 1
 
     def __post_init__(self) -> None:
         if self.compiler not in COMPILERS:
@@ -81,6 +87,11 @@ class Options:
         if isinstance(self.optimizer_states, bool) or not isinstance(self.optimizer_states, int) or self.optimizer_states < 0:
             raise UsageError(
                 f"autoshard option 'optimizer_states' must be a whole number >= 0 (2 for Adam/AdamW), got {self.optimizer_states!r}."
+            )
+        if isinstance(self.all_reduce_blocks, bool) or not isinstance(self.all_reduce_blocks, int) or self.all_reduce_blocks < 1:
+            raise UsageError(
+                f"autoshard option 'all_reduce_blocks' must be a whole number >= 1 (1: one all-reduce per block), "
+                f"got {self.all_reduce_blocks!r}."
             )
         if self.profile is not None:
             from autoshard.compiler.cost_model import get_profile

@@ -139,17 +139,18 @@ def _bucket(gm: fx.GraphModule, ctx: Context) -> None:
         timing = _rank_independent(ctx.schedule)
         timing = replace(timing, compute_time=functools.cache(timing.compute_time))
         schedule = lambda g, b: _schedule(g, ctx, b, only_plan=True)  # noqa: E731
-        ctx.bucket_mb, ctx.plan, chosen = choose_bucket_mb(gm, schedule, _budget(ctx), timing, _opaque_copies(opts))
+        ctx.bucket_mb, ctx.plan, chosen = choose_bucket_mb(gm, schedule, _budget(ctx), timing, _opaque_copies(opts),
+                                                           opts.all_reduce_blocks)
         agreed = rank0s(ctx.bucket_mb, ctx.side) if ctx.follow_rank0 else ctx.bucket_mb
         if agreed == ctx.bucket_mb:
             gm.graph = chosen.graph
         else:
             ctx.bucket_mb, ctx.plan = agreed, None
-            bucket_collectives(gm, agreed, _opaque_copies(opts))
+            bucket_collectives(gm, agreed, _opaque_copies(opts), opts.all_reduce_blocks)
     else:
         if ctx.follow_rank0:  # the same exchanges on every rank, whichever way it buckets
             rank0s(ctx.bucket_mb, ctx.side)
-        bucket_collectives(gm, ctx.bucket_mb, _opaque_copies(opts))
+        bucket_collectives(gm, ctx.bucket_mb, _opaque_copies(opts), opts.all_reduce_blocks)
 
 
 def _opaque_copies(opts: Any) -> bool:
