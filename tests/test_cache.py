@@ -134,11 +134,12 @@ def test_the_key_changes_with_what_changes_the_plan():
             keys[world] = cache_key(gm, Options(), cpu)
             if world == 2:
                 changed = [cache_key(gm, Options(bucket_mb=1.0), cpu), cache_key(gm, Options(memory_budget_gb=1.0), cpu),
-                           cache_key(gm, Options(schedule="fsdp2"), cpu), cache_key(gm, Options(), get_profile("h100"))]
+                           cache_key(gm, Options(schedule="fsdp2"), cpu), cache_key(gm, Options(), get_profile("h100")),
+                           cache_key(gm, Options(all_reduce_blocks=2), cpu)]
                 assert cache_key(gm, Options(debug_dir="somewhere"), cpu) == keys[2]  # what is written, not compiled
         finally:
             dist.destroy_process_group()
-    assert len({keys[2], keys[4], *changed}) == 6
+    assert len({keys[2], keys[4], *changed}) == 7
 
 
 def _gloo_step(cache_root: str, batch_shares: list[int] | None = None) -> dict[str, Any]:
