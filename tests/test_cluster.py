@@ -14,11 +14,13 @@ import torch
 import autoshard
 from autoshard import Cluster, NodeGroup
 from autoshard.compiler.cost_model import get_profile
+from autoshard.compiler.profiles import uniform_link
 from autoshard.runtime.errors import UsageError
 from autoshard.tools.plan_mixed import today
 from autoshard.tools.simulator import analyze
 from autoshard.tools.simulator_mixed import step_times
 
+from gpt import GPT, GPTConfig
 from models import build
 
 TOKENS = torch.zeros(1, 64, dtype=torch.long)
@@ -171,3 +173,29 @@ def test_the_console_command_plans_a_cluster_file(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "autoshard", "plan", "examples/train_gpt.py:build_model", "--cluster", str(spec),
                           "--world-size", "8"], capture_output=True, text=True, timeout=600)
     assert bad.returncode == 1 and "either cluster or world_size" in bad.stderr
+
+
+def _four_blocks() -> torch.nn.Module:
+    return GPT(GPTConfig(vocab_size=64, block_size=64, n_layer=4, n_head=2, n_embd=32))
+
+
+def test_a_latency_bound_replica_all_reduce_merges_blocks_and_the_plan_records_it(tmp_path):
+    """Nodes joined by a link of 20 ms per ring step: a replicated layout wins, and its
+    all-reduce, one per block, is mostly latency. Two blocks per all-reduce halve it; the plan
+    records the option, gives it to torch.compile, and saves and loads it. Today's plan (every
+    rank as the slow one) stays one all-reduce per block."""
+    nic = uniform_link("slow-nic", latency=20e-3, bandwidth=1e9)
+    cluster = Cluster((NodeGroup(1, dataclasses.replace(FAST, inter=nic), 2),
+                       NodeGroup(1, dataclasses.replace(SLOW, inter=nic), 2)))
+    plan = autoshard.plan(_four_blocks, TOKENS, TOKENS, cluster=cluster)
+    assert plan.strategy in ("hybrid", "replicate") and plan.all_reduce_blocks == 2 and plan.candidate.all_reduce_blocks == 2
+    assert plan.compile_options == {"all_reduce_blocks": 2}
+    per_block = next(o for o in plan.outcomes if o.candidate == dataclasses.replace(plan.candidate, all_reduce_blocks=1))
+    assert plan.chosen.mixed_step < per_block.mixed_step
+    assert today(plan).candidate.all_reduce_blocks == 1
+    assert "all-reduce per 2 blocks" in plan.summary()
+    plan.save(tmp_path / "plan.json")
+    assert autoshard.Plan.load(tmp_path / "plan.json") == plan
+    older = json.loads((tmp_path / "plan.json").read_text())
+    del older["all_reduce_blocks"]  # a plan saved before the option: one all-reduce per block
+    assert autoshard.Plan.from_json(json.dumps(older)).all_reduce_blocks == 1

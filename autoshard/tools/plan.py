@@ -41,6 +41,7 @@ from autoshard.runtime.errors import OverBudgetError, UsageError
 from autoshard.runtime.shard import is_sharded, shard
 from autoshard.tools.cluster import Cluster
 from autoshard.tools.explain import add_input_arguments, explain, input_maker, load_factory
+from autoshard.tools.plan_all_reduce import merge_all_reduces
 from autoshard.tools.plan_layouts import PRECISIONS, Bounds, Candidate, Params, candidates
 from autoshard.tools.plan_result import Outcome, Plan, _limit_bytes, _mixed_precision
 from autoshard.tools.plan_shares import play
@@ -122,8 +123,9 @@ class _Search:
         if skip is not None:
             outcome = Outcome(c, error=skip)
         else:
+            options = {**self.options, "all_reduce_blocks": c.all_reduce_blocks} if c.all_reduce_blocks > 1 else self.options
             try:
-                report = explain(_sharding(self.factory, c), *self.example_args, stages=_STAGES, **self.options)
+                report = explain(_sharding(self.factory, c), *self.example_args, stages=_STAGES, **options)
             except Exception as e:  # noqa: BLE001 - Dynamo wraps the backend's error; only the budget's is an outcome
                 over = _over_budget(e)
                 if over is None:
@@ -279,6 +281,8 @@ def plan(
     _whole_model(search, [c for c in whole if c not in baselines])
     for precision in precisions:  # the fastest that fits may have changed
         _mixed(search, tuple(params.blocks), precision)
+    if mixed:
+        merge_all_reduces(search, len(params.blocks))
     order = {c: i for i, c in enumerate(whole)}
     outcomes = sorted(search.outcomes, key=lambda o: order.get(o.candidate, len(order)))
     if mixed:  # each type under its own memory, at its planned share
@@ -303,7 +307,7 @@ def plan(
     state = tuple(t.state_share for t in chosen.types for _ in range(t.ranks)) if mixed and chosen.types[0].state_share else None
     return Plan(best.strategy, best.mesh_shape, world_size, ranks_per_node, cluster.label if mixed else device.name,
                 memory_budget_gb, tuple(outcomes), best.precision, best.blocks, best.block_strategy, best.block_mesh_shape,
-                _tokens(example_args, world_size), shares, cluster, best.experts, state)
+                _tokens(example_args, world_size), shares, cluster, best.experts, state, best.all_reduce_blocks)
 
 
 def _tokens(example_args: tuple, world_size: int) -> int | None:

@@ -32,7 +32,8 @@ class Candidate:
     """One layout of the world: a strategy, the mesh it shards over (``(world,)``, or
     ``(replicas, shard_size)`` for ``"hybrid"``) and the precision of gathers and compute;
     for a mixed layout, the repeated ``blocks`` laid out as ``block_strategy`` on
-    ``block_mesh_shape`` instead (the rest of the model as ``strategy``)."""
+    ``block_mesh_shape`` instead (the rest of the model as ``strategy``).
+    ``all_reduce_blocks``: the backend option compiled with (blocks per all-reduce bucket)."""
 
     strategy: str
     mesh_shape: tuple[int, ...]
@@ -41,6 +42,7 @@ class Candidate:
     block_strategy: str = ""
     block_mesh_shape: tuple[int, ...] = ()
     experts: str = "gathered"  # "parallel": the experts modules split over every rank (shard's experts=)
+    all_reduce_blocks: int = 1
 
     def label(self, ranks_per_node: int) -> str:
         name = _layout_label(self.strategy, self.mesh_shape, ranks_per_node)
@@ -48,6 +50,7 @@ class Candidate:
             span = self.blocks[0] if len(self.blocks) == 1 else f"{self.blocks[0]}..{self.blocks[-1]}"
             name += f"; {_layout_label(self.block_strategy, self.block_mesh_shape, ranks_per_node)} for {span}"
         name += ", experts parallel" if self.experts == "parallel" else ""
+        name += f", all-reduce per {self.all_reduce_blocks} blocks" if self.all_reduce_blocks > 1 else ""
         return name if self.precision == "fp32" else f"{name}, {self.precision}"
 
     @property

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -63,11 +64,19 @@ class Plan:
     # Each global rank's share of the parameters, gradients and optimizer state (summing to 1);
     # None: even. Set on a mixed cluster where even shards do not fit a type's memory.
     state_shares: tuple[float, ...] | None = None
+    # Blocks per all-reduce bucket, the backend option (chosen on a mixed cluster; 1: one per block).
+    all_reduce_blocks: int = 1
 
     @property
     def candidate(self) -> Candidate:
         return Candidate(self.strategy, self.mesh_shape, self.precision, self.blocks, self.block_strategy, self.block_mesh_shape,
-                         self.experts)
+                         self.experts, self.all_reduce_blocks)
+
+    @property
+    def compile_options(self) -> dict[str, Any]:
+        """The backend options the plan was played with, beyond the defaults:
+        ``torch.compile(model, backend="autoshard", options={**plan.compile_options, ...})``."""
+        return {"all_reduce_blocks": self.all_reduce_blocks} if self.all_reduce_blocks > 1 else {}
 
     @property
     def chosen(self) -> Outcome:
@@ -110,6 +119,9 @@ class Plan:
                          f"{fmt_bytes(o.peak_bytes):>14s} {within:>12s} {across:>12s} {energy:>12s}{kwh}{over}")
         if self.experts == "parallel":
             lines.append(f"experts modules: split over all {self.world_size} ranks (experts='parallel'), tokens sent to them by all-to-all")
+        if self.all_reduce_blocks > 1:
+            lines.append(f"all-reduces: one per {self.all_reduce_blocks} blocks (backend option all_reduce_blocks; "
+                         "torch.compile(..., options=plan.compile_options))")
         if not self.candidate.whole:
             lines.append(f"{len(self.blocks)} blocks ({', '.join(self.blocks[:3])}{', ...' if len(self.blocks) > 3 else ''}): "
                          f"{self.block_strategy} on {self.block_mesh_shape}; the rest: {self.strategy} on {self.mesh_shape}")
