@@ -16,7 +16,9 @@ plan=plan)`` applies it::
 
     plan = autoshard.plan(make_model, tokens, tokens, world_size=64, ranks_per_node=8, memory_budget_gb=40)
     print(plan.summary()); plan.save("plan.json")
-    model = autoshard.shard(make_model(), plan=autoshard.Plan.load("plan.json"))   # on every rank
+    plan = autoshard.Plan.load("plan.json")                                        # on every rank
+    model = autoshard.shard(make_model(), plan=plan)
+    compiled = torch.compile(model, backend="autoshard", options=plan.compile_options)
 
 With ``precisions=("fp32", "bf16")`` each layout is also tried in bfloat16 (gradients reduced
 in float32); a mixed layout keeps one precision.
