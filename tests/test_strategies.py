@@ -73,6 +73,7 @@ def _strategies(folder: str) -> dict[str, dict[str, Any]]:
         found[f"{s}_inductor_schedule"] = train_pair("uneven", _shard(s), schedule="inductor")
     found["checkpoints"] = {pair: _round_trip(*pair, folder) for pair in CHECKPOINT_PAIRS}
     found["hybrid_accumulation"] = train_pair("uneven", _shard("hybrid"), micro_batches=2)
+    found["hybrid_all_reduce_blocks"] = train_pair("gpt", _shard("hybrid"), options={"all_reduce_blocks": 2})
     mixed = autoshard.MixedPrecision(param_dtype=BF16, reduce_dtype=torch.float32)
     found["hybrid_bf16"] = train_mixed_precision("uneven", _shard("hybrid", mixed_precision=mixed))
     found["rank"] = dist.get_rank()
@@ -127,6 +128,12 @@ def test_hybrid_gradient_accumulation_matches_the_whole_batch():
     for rank in _results():
         found = rank["hybrid_accumulation"]
         assert found["loss"] <= TOL and found["params"] <= TOL and found["graphs"] == 2, (rank["rank"], found)
+
+
+def test_hybrid_with_two_blocks_per_all_reduce_trains_like_one_process():
+    for rank in _results():
+        found = rank["hybrid_all_reduce_blocks"]
+        assert found["loss"] <= TOL and found["params"] <= TOL, (rank["rank"], found)
 
 
 def test_hybrid_mixed_precision_is_the_per_rank_bf16_computation():
@@ -230,8 +237,10 @@ def _four_blocks() -> nn.Module:
 @pytest.mark.parametrize("strategy, mesh", [("replicate", None), ("hybrid", (2, GRAPH_WORLD // 2))])
 def test_all_reduce_blocks_puts_that_many_blocks_in_one_all_reduce_and_keeps_the_gradients(strategy, mesh):
     """all_reduce_blocks=2 on 4 blocks: two all-reduces of two blocks each (a leftover joins
-    its block as before), and every gradient as with one all-reduce per block (the fake
-    group's all-reduce returns its input: a wrong slice shows)."""
+    its block as before). Under replicate, every gradient as with one all-reduce per block
+    (the fake group's all-reduce returns its input: a wrong slice shows); hybrid's gradients
+    pass a reduce-scatter, which torch 2.11's fake group leaves unwritten, so hybrid's are
+    checked on gloo ranks (test_hybrid_with_two_blocks_per_all_reduce_trains_like_one_process)."""
     tokens = same_tokens(lambda: torch.randint(0, 64, (1, 16), generator=torch.Generator().manual_seed(0)))
     found = {}
     for k in (1, 2):
@@ -245,4 +254,5 @@ def test_all_reduce_blocks_puts_that_many_blocks_in_one_all_reduce_and_keeps_the
     assert [len(b) for b in found[1][0]] == [1] * 4
     assert [len(b) for b in found[2][0]] == [2, 2] and found[2][0][0] | found[2][0][1] == set().union(*found[1][0])
     assert found[1][1].keys() == found[2][1].keys() and any(g.abs().sum() > 0 for g in found[1][1].values())
-    assert all(torch.equal(found[1][1][n], found[2][1][n]) for n in found[1][1])
+    if strategy == "replicate":
+        assert all(torch.equal(found[1][1][n], found[2][1][n]) for n in found[1][1])

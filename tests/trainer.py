@@ -52,8 +52,8 @@ def _global_mean(value: torch.Tensor, model: nn.Module | None = None) -> float:
     return value.item() / dist.get_world_size()
 
 
-def _compile(model: nn.Module, compiler: str, schedule: str = "autoshard") -> nn.Module:
-    options = {"compiler": compiler, "schedule": schedule}
+def _compile(model: nn.Module, compiler: str, schedule: str = "autoshard", options: dict[str, Any] | None = None) -> nn.Module:
+    options = {"compiler": compiler, "schedule": schedule, **(options or {})}
     return model if compiler == "uncompiled" else torch.compile(model, backend="autoshard", options=options)
 
 
@@ -89,8 +89,10 @@ def train_pair(
     trainable: Callable[[int, nn.Module], None] | None = None,
     shares: list[float] | None = None,
     global_batch: int = GLOBAL_BATCH,
+    options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Train ``shard(copy of model name)`` next to the model itself for ``steps`` steps.
+    """Train ``shard(copy of model name)`` next to the model itself for ``steps`` steps
+    (``options``: more backend options).
 
     ``trainable(step, model)``: called on both models before each step, to freeze or unfreeze
     parameters (the optimizers then hold every parameter; AdamW skips those without a gradient).
@@ -108,7 +110,7 @@ def train_pair(
     sharded = shard(copy.deepcopy(reference))
     if shares is not None:
         autoshard.set_batch_shares(sharded, shares)
-    run = _compile(sharded, compiler, schedule)
+    run = _compile(sharded, compiler, schedule, options)
     if trainable is None:
         ref_opt, opt = _optimizer(optimizer, reference), _optimizer(optimizer, sharded)
     else:
