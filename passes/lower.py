@@ -9,7 +9,8 @@ from torch import fx
 from autoshard._compat import c10d, must_recompute
 from autoshard.runtime.ops import chunk_rows
 
-from .graph_utils import PARAMS, Replacer, arg, block_of, call, is_op, is_view, named_args, positions, val
+from .graph_utils import PARAMS, Replacer, arg, call, is_op, is_view, named_args, positions, val
+from .keep import kept_for_backward
 
 aten = torch.ops.aten
 annotations = torch.ops.autoshard
@@ -142,23 +143,8 @@ def _view_chain(node: fx.Node) -> list[fx.Node]:
     return chain
 
 
-def _needed_first(gathers: list[tuple[str, fx.Node]], order: dict[fx.Node, int]) -> set[str]:
-    """Of ``gathers`` (a parameter's name, its full value), those the backward needs first: the
-    last repeated block the forward uses and every parameter first used after it starts (the
-    final norm, an untied head); without blocks, the parameter used last. Kept gathered from
-    forward to backward, they add nothing at the step's peak (the backward would gather them
-    again at once) and their gathers, the backward's first, have no compute to hide behind."""
-    first_use = {name: min((order[u] for u in full.users), default=-1) for name, full in gathers}
-    used = [name for name in first_use if first_use[name] >= 0]
-    if not used:
-        return set()
-    in_blocks = [name for name in used if block_of(name) is not None]
-    last = max(in_blocks or used, key=first_use.__getitem__)
-    start = min(first_use[n] for n in used if block_of(n) == block_of(last)) if in_blocks else first_use[last]
-    return {name for name in used if first_use[name] >= start}
-
-
-def lower_annotations(gm: fx.GraphModule, reshard_after_forward: bool | None = None) -> fx.GraphModule:
+def lower_annotations(gm: fx.GraphModule, reshard_after_forward: bool | None = None, keep_more: bool = False,
+                      budget_bytes: int | None = None) -> fx.GraphModule:
     """Replace every autoshard annotation op with c10d functional collectives.
 
     Guarantees: ``unshard`` becomes [cast] -> pad -> all_gather_into_tensor -> wait_tensor ->
@@ -175,7 +161,8 @@ def lower_annotations(gm: fx.GraphModule, reshard_after_forward: bool | None = N
     ``meta["autoshard_params"]``. A gradient sent to a sink (synchronisation off) has no
     collective: autograd already routed it there.
     Gathers to reshard (the op's flag, or ``reshard_after_forward`` when given; a flag of
-    None: all but those :func:`_needed_first` keeps) and the views of their results are
+    None: all but those :func:`passes.keep.kept_for_backward` keeps, with ``keep_more`` and
+    ``budget_bytes``, on a joint graph) and the views of their results are
     tagged MUST_RECOMPUTE, so a partitioned forward saves their shards, not the full
     parameters. Numerics are unchanged; the pass is idempotent.
     """
@@ -209,12 +196,13 @@ def lower_annotations(gm: fx.GraphModule, reshard_after_forward: bool | None = N
         if recompute:
             for n in recompute + _view_chain(out):
                 must_recompute(n, _AC_GRAPH_ID_BASE + i)
-    kept = _needed_first([(name, full) for name, (_, full, _) in undecided.items()], positions(graph.nodes))
+    replacer.finish()  # the output reads the lowered nodes: the liveness the keeping reads
+    fulls = {name: full for name, (_, full, _) in undecided.items()}
+    kept = kept_for_backward(graph, fulls, positions(graph.nodes), budget_bytes, keep_more)
     for name, (i, full, created) in undecided.items():
         if name not in kept:
             for n in created + _view_chain(full):
                 must_recompute(n, _AC_GRAPH_ID_BASE + i)
-    replacer.finish()
     graph.lint()
     gm.recompile()
     return gm

@@ -192,7 +192,7 @@ def _compile(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict | 
     @reports_compile_failure
     def joint_pass(joint: fx.GraphModule, joint_inputs: Any) -> fx.GraphModule:
         with phase("joint_passes"):
-            return pipeline.run(pipeline.JOINT, joint, pipeline.Context(opts, "joint"), write)
+            return pipeline.run(pipeline.JOINT, joint, pipeline.Context(opts, "joint", param_bytes=param_bytes), write)
 
     # Inductor's caches serve a compile unless its stages are asked for (a hit skips the passes
     # and so their dumps): then the AOT autograd cache is off, as it is for aot_eager anyway.

@@ -212,6 +212,15 @@ def _inductor_schedule(gm: fx.GraphModule, ctx: Context) -> None:
     inductor_schedule(gm, config.compute_time, config.comm_time)
 
 
+def _keeping(ctx: Context) -> dict[str, Any]:
+    """How far the joint graph keeps gathered blocks for the backward (passes/keep.py): within
+    the budget less the optimizer state, which the graphs do not hold; not under unequal batch
+    shares, where ranks see other activation sizes and would keep different blocks."""
+    gb = ctx.options.memory_budget_gb
+    budget = None if gb is None else int(gb * 2**30) - ctx.options.optimizer_states * ctx.param_bytes
+    return {"keep_more": not uneven_shares_in_use(), "budget_bytes": budget}
+
+
 # The graph Dynamo hands the backend.
 CAPTURED: tuple[Step, ...] = (Stage("captured"),)
 
@@ -225,7 +234,7 @@ JOINT: tuple[Step, ...] = (
          None, provides=frozenset({RNG_SAVED})),  # a torch 2.13 bug, see autoshard/_compat.py
     Pass("merge_shared_parameters", lambda gm, ctx: merge_shared_parameters(gm),
          "shared parameters merged", frozenset({UNBATCHED}), frozenset({MERGED})),
-    Pass("lower_annotations", lambda gm, ctx: lower_annotations(gm, ctx.options.reshard_after_forward),
+    Pass("lower_annotations", lambda gm, ctx: lower_annotations(gm, ctx.options.reshard_after_forward, **_keeping(ctx)),
          "annotations replaced by collectives", frozenset({MERGED}), frozenset({LOWERED, RECOMPUTE_TAGS})),
     Stage("lowered"),
 )
