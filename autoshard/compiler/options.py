@@ -38,15 +38,19 @@ class Options:
         gradients, optimizer state (``optimizer_states`` per parameter), gathered parameters,
         communication buffers and activations, as the step model predicts them. The schedule
         prefetches and keeps reductions in flight only as far as the budget allows; a budget
-        too small for any schedule fails the compile naming the smallest that fits. Default:
-        no more than FSDP2 eager needs on the same graph and device (see "fsdp2").
+        too small for any schedule fails the compile naming the smallest that fits. It also
+        bounds how many blocks the forward keeps gathered for the backward where
+        ``reshard_after_forward`` is left to the default (passes/keep.py). Default: no more
+        than FSDP2 eager needs on the same graph and device (see "fsdp2"); one block kept
+        beyond the last.
     optimizer_states: tensors the optimizer keeps per parameter, each the size of its shard
         (2 for Adam and AdamW, 1 for SGD with momentum, 0 for plain SGD), for the budget.
     all_reduce_blocks: the all-reduces of this many consecutive repeated blocks share one
         bucket (hybrid's replica all-reduce, replicate's all-reduce): one ring's latency for k
         blocks, for a bucket k times the size that starts once the k-th block's gradients are
         ready. A whole number >= 1; default 1: one per block. ``autoshard.plan`` may choose it
-        on a mixed cluster (``Plan.compile_options``). Without repeated blocks it changes nothing.
+        on a mixed cluster (``Plan.compile_options``). Without repeated blocks, or under the
+        schedules "none" and "inductor" (which do not bucket with autoshard's pass), it changes nothing.
     profile: the cost model's device profile for scheduling decisions: a name ("h100",
         "a100", "cpu") or a .json file from ``python -m autoshard calibrate``; default: "h100"
         for graphs on CUDA, "cpu" otherwise.
