@@ -5,14 +5,13 @@ Provides: the names of the parameters whose full values the partitioned forward 
 others' gathers are recomputed in the backward (``passes/lower.py`` tags them).
 
 Always kept: the backward's first block (:func:`needed_first`): it adds nothing at the step's
-peak. Then more repeated blocks, last first (the backward needs them soonest), while an
-estimate of the step's peak stays within a limit: the live bytes of the joint graph in its
-order (forward, the turn, backward), a saved value live from its forward definition to its
-last backward use, a resharded parameter's full value live over its forward uses and again
-over its backward uses. The limit is the caller's budget (``budget_bytes``, less one block:
-the schedule's room to prefetch) or, without one, that peak with one block more: what FSDP2's
-prefetch holds at the forward-to-backward turn, where it gathers the next block while the
-last one's backward runs. Each kept block spares a gather in the backward.
+peak. Given a memory budget, more repeated blocks, last first (the backward needs them
+soonest), while an estimate of the step's peak stays within the budget less one block (the
+schedule's room to prefetch): the live bytes of the joint graph in its order (forward, the
+turn, backward), a saved value live from its forward definition to its last backward use, a
+resharded parameter's full value live over its forward uses and again over its backward uses.
+Each kept block spares a gather in the backward. Without a budget nothing more: measured on
+gloo ranks, one more block kept cost its full bytes at the step's peak (docs/benchmarks.md).
 
 Deterministic: graph order and fake shapes only.
 """
@@ -109,12 +108,12 @@ class _Live:
 
 
 def kept_for_backward(graph: fx.Graph, gathers: dict[str, fx.Node], order: dict[fx.Node, int],
-                      budget_bytes: int | None = None, more: bool = True) -> set[str]:
+                      budget_bytes: int | None = None) -> set[str]:
     """The parameters of ``gathers`` (name -> full value, each gathered once in the joint
-    forward) to keep gathered for the backward: :func:`needed_first`, and with ``more``, the
-    blocks before it, last first, that fit the limit the module docstring gives."""
+    forward) to keep gathered for the backward: :func:`needed_first`, and with ``budget_bytes``,
+    the blocks before it, last first, that fit the budget as the module docstring says."""
     kept = needed_first(gathers, order)
-    if not more:
+    if budget_bytes is None:
         return kept
     kept_blocks = {block_of(name) for name in kept}
     blocks: dict[str, list[str]] = {}  # block -> its parameters, the block the forward uses last first
@@ -125,8 +124,7 @@ def kept_for_backward(graph: fx.Graph, gathers: dict[str, fx.Node], order: dict[
     if not blocks:
         return kept
     live = _Live(graph, gathers)
-    widest = max(live.bytes_of(names) for names in blocks.values())
-    limit = live.peak(kept) + widest if budget_bytes is None else budget_bytes - widest
+    limit = budget_bytes - max(live.bytes_of(names) for names in blocks.values())
     candidates = list(blocks.values())  # last block first
     lo, hi = 0, len(candidates)  # the largest k whose last k blocks fit (the peak only grows with k)
     while lo < hi:

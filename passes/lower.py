@@ -143,7 +143,7 @@ def _view_chain(node: fx.Node) -> list[fx.Node]:
     return chain
 
 
-def lower_annotations(gm: fx.GraphModule, reshard_after_forward: bool | None = None, keep_more: bool = False,
+def lower_annotations(gm: fx.GraphModule, reshard_after_forward: bool | None = None,
                       budget_bytes: int | None = None) -> fx.GraphModule:
     """Replace every autoshard annotation op with c10d functional collectives.
 
@@ -161,8 +161,8 @@ def lower_annotations(gm: fx.GraphModule, reshard_after_forward: bool | None = N
     ``meta["autoshard_params"]``. A gradient sent to a sink (synchronisation off) has no
     collective: autograd already routed it there.
     Gathers to reshard (the op's flag, or ``reshard_after_forward`` when given; a flag of
-    None: all but those :func:`passes.keep.kept_for_backward` keeps, with ``keep_more`` and
-    ``budget_bytes``, on a joint graph) and the views of their results are
+    None: all but those :func:`passes.keep.kept_for_backward` keeps within ``budget_bytes``,
+    on a joint graph) and the views of their results are
     tagged MUST_RECOMPUTE, so a partitioned forward saves their shards, not the full
     parameters. Numerics are unchanged; the pass is idempotent.
     """
@@ -198,7 +198,7 @@ def lower_annotations(gm: fx.GraphModule, reshard_after_forward: bool | None = N
                 must_recompute(n, _AC_GRAPH_ID_BASE + i)
     replacer.finish()  # the output reads the lowered nodes: the liveness the keeping reads
     fulls = {name: full for name, (_, full, _) in undecided.items()}
-    kept = kept_for_backward(graph, fulls, positions(graph.nodes), budget_bytes, keep_more)
+    kept = kept_for_backward(graph, fulls, positions(graph.nodes), budget_bytes)
     for name, (i, full, created) in undecided.items():
         if name not in kept:
             for n in created + _view_chain(full):

@@ -192,8 +192,7 @@ def test_backward_compute_is_named_by_module(report):
 
 def test_the_page_carries_the_final_stages_compact_with_repeated_blocks_folded():
     tokens = torch.zeros(1, 64, dtype=torch.long)
-    # Every block resharded: the backward's blocks alike too (kept ones would differ from the rest).
-    deep = autoshard.explain(lambda: build_model(n_layer=6), tokens, tokens, world_size=8, profile="h100", reshard_after_forward=True)
+    deep = autoshard.explain(lambda: build_model(n_layer=6), tokens, tokens, world_size=8, profile="h100")
     page = deep.html()
     final = len(deep.code("forward")) + len(deep.code("backward"))
     assert len(page) < final  # the final stages folded, and the rest (it once held every stage's code)

@@ -50,10 +50,7 @@ def _gpt() -> GPT:
 @pytest.fixture(scope="module")
 def step():
     return compile_step(_gpt, same_tokens(lambda: torch.randint(0, 64, (1, 16))), world_size=8,
-                        # every block resharded: the backward gathers them all again, so both graphs
-                        # have collectives to place (by default small blocks stay gathered)
-                        options={"compiler": "inductor", "profile": "h100", "reshard_after_forward": True},
-                        run=run_and_get_code)
+                        options={"compiler": "inductor", "profile": "h100"}, run=run_and_get_code)
 
 
 def test_generated_code_keeps_the_scheduled_order(step):

@@ -5,7 +5,7 @@ The joint graph runs the blocks forward, turns, and runs them back; the backward
 first::
 
     forward:  gather 0, 1, 2, 3, ln_f | turn | backward: 3, ln_f, 2, 1, 0
-    kept, no budget:            3, ln_f (needed first) + 2 (one block more, what FSDP2's prefetch holds at the turn)
+    kept, no budget:            3, ln_f (needed first)
     kept, a budget for all:     0, 1, 2, 3, ln_f
     kept, a budget with no room left over: 3, ln_f
 """
@@ -47,13 +47,11 @@ def _blocks(names: set[str]) -> set[str | None]:
     return {block_of(n) for n in names}
 
 
-def test_without_a_budget_one_block_more_than_the_backward_needs_first(joint):
+def test_without_a_budget_only_what_the_backward_needs_first(joint):
     fulls, order = _fulls(joint), positions(joint.graph.nodes)
     first = needed_first(fulls, order)
     assert _blocks(first) == {"blocks.3", None} and "ln_f.weight" in first and "wte.weight" not in first
-    kept = kept_for_backward(joint.graph, fulls, order)
-    assert _blocks(kept) == {"blocks.2", "blocks.3", None} and kept > first
-    assert kept_for_backward(joint.graph, fulls, order, more=False) == first
+    assert kept_for_backward(joint.graph, fulls, order) == first
 
 
 def test_the_budget_decides_how_many_blocks_stay(joint):
@@ -79,6 +77,6 @@ def test_a_kept_block_is_not_gathered_in_backward():
     roomy = compile_step(_model, _tokens, world_size=8, options={"schedule": "none", "memory_budget_gb": 4.0})
     gathered = [{name for n in s.backward.graph.nodes if n.target is c10d.all_gather_into_tensor.default for name in n.meta[PARAMS]}
                 for s in (tight, roomy)]
-    assert _blocks(gathered[0]) == {"blocks.0", "blocks.1", None}  # the tied embedding/head is gathered again
+    assert _blocks(gathered[0]) == {"blocks.0", "blocks.1", "blocks.2", None}  # the tied embedding/head is gathered again
     assert gathered[1] == {"wte.weight"}
     assert count(roomy.forward, "all_gather_into_tensor") == count(tight.forward, "all_gather_into_tensor")

@@ -120,8 +120,7 @@ def test_the_memory_model_follows_what_the_gloo_pass_does(compiler):
     cpu = get_profile("cpu")
     model = gloo_memory(cpu.comm_release_late, cpu.comm_input_copied, compiler)
     gloo = next(s for s in pipeline.PARTITIONED if getattr(s, "name", "") == "gloo")
-    with sharded_step(Stack, lambda: (torch.randn(2, 8), torch.randn(2, 6)), world_size=4,
-                      options={"profile": "cpu", "reshard_after_forward": True}) as step, \
+    with sharded_step(Stack, lambda: (torch.randn(2, 8), torch.randn(2, 6)), world_size=4, options={"profile": "cpu"}) as step, \
             mock.patch("autoshard.passes.gloo.group_backend", return_value="gloo"):
         done = []
         for side in ("forward", "backward"):

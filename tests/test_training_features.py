@@ -173,9 +173,7 @@ def _gathered(gm: fx.GraphModule) -> Counter:
 
 
 def test_lora_buckets_mix_frozen_and_trainable_parameters():
-    # every block resharded, so the backward gathers them all again (by default the small
-    # model's blocks would all stay gathered from the forward: passes/keep.py)
-    model, fw, bw = _graphs("lora", options={"reshard_after_forward": True})
+    model, fw, bw = _graphs("lora")
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     for gm in (fw, bw):
         mixed = [g.meta[PARAMS] for g in collectives(gm.graph, c10d.all_gather_into_tensor.default)]

@@ -41,8 +41,8 @@ class Options:
         too small for any schedule fails the compile naming the smallest that fits. It also
         bounds how many blocks the forward keeps gathered for the backward where
         ``reshard_after_forward`` is left to the default (passes/keep.py). Default: no more
-        than FSDP2 eager needs on the same graph and device (see "fsdp2"); one block kept
-        beyond the last.
+        than FSDP2 eager needs on the same graph and device (see "fsdp2"), and only the last
+        block kept.
     optimizer_states: tensors the optimizer keeps per parameter, each the size of its shard
         (2 for Adam and AdamW, 1 for SGD with momentum, 0 for plain SGD), for the budget.
     all_reduce_blocks: the all-reduces of this many consecutive repeated blocks share one

@@ -213,12 +213,14 @@ def _inductor_schedule(gm: fx.GraphModule, ctx: Context) -> None:
 
 
 def _keeping(ctx: Context) -> dict[str, Any]:
-    """How far the joint graph keeps gathered blocks for the backward (passes/keep.py): within
-    the budget less the optimizer state, which the graphs do not hold; not under unequal batch
-    shares, where ranks see other activation sizes and would keep different blocks."""
+    """The budget within which the joint graph keeps more gathered blocks for the backward
+    (passes/keep.py): the memory budget less the optimizer state, which the graphs do not hold;
+    none without a budget, or under unequal batch shares, where ranks see other activation
+    sizes and would keep different blocks."""
     gb = ctx.options.memory_budget_gb
-    budget = None if gb is None else int(gb * 2**30) - ctx.options.optimizer_states * ctx.param_bytes
-    return {"keep_more": not uneven_shares_in_use(), "budget_bytes": budget}
+    if gb is None or uneven_shares_in_use():
+        return {"budget_bytes": None}
+    return {"budget_bytes": int(gb * 2**30) - ctx.options.optimizer_states * ctx.param_bytes}
 
 
 # The graph Dynamo hands the backend.
