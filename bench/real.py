@@ -416,6 +416,8 @@ def main() -> None:
     print(f"parity: every system's losses (each rank, each of the {args.warmup + args.steps + 2} steps) within "
           f"{worst['parity']:.1e} of {args.systems[0]}'s ({worst['system']}, world {worst['world']}): "
           f"{'OK' if worst['parity'] <= PARITY_TOL else 'NOT'} within {PARITY_TOL:g}")
+    by_system = {s: max(r["parity"] for r in rows if r["system"] == s) for s in args.systems[1:] if any(r["system"] == s for r in rows)}
+    print("parity by system (worst world): " + ", ".join(f"{s} {e:.1e}" for s, e in by_system.items()))
     for r in rows:
         if r["pred_error"] is not None:
             verdict = "within" if abs(r["pred_error"]) <= 0.25 else "NOT within"
