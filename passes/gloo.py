@@ -1,13 +1,12 @@
 """What collectives over gloo need: gathers into buffers, and buffers freed by the graph."""
 from __future__ import annotations
 
-import operator
 from typing import Callable
 
 import torch
 from torch import fx
 
-from autoshard._compat import c10d, schema_of
+from autoshard._compat import c10d
 
 from .graph_utils import (
     PADS,
@@ -18,9 +17,7 @@ from .graph_utils import (
     group_backend,
     group_rank,
     is_exchange,
-    is_view,
-    is_wait,
-    out_buffer,
+    storage_roots,
     val,
     wait_of,
 )
@@ -41,28 +38,6 @@ resize_storage_bytes_ = torch.ops.inductor.resize_storage_bytes_.default
 # buffers). Anything else (a view of a placeholder, an op's output they do not know) stays the graph's.
 _ALLOCATES = (aten.empty.memory_format, aten.cat.default, *PADS, aten.clone.default,
               torch.ops.prims.convert_element_type.default, c10d.all_to_all_single.default)
-
-
-def _returns_its_input(node: fx.Node) -> bool:
-    # An in-place op (copy_ into a slice of a bucket, as PyTorch's bucketer does) returns its
-    # first argument: its schema's return shares that argument's alias set.
-    schema = schema_of(node.target)
-    return bool(schema and schema.returns and schema.returns[0].alias_info is not None)
-
-
-def _storage_roots(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
-    """node -> the node that allocated the storage it uses (itself when it allocates)."""
-    root: dict[fx.Node, fx.Node] = {}
-    for n in graph.nodes:
-        base = out_buffer(n)
-        first = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
-        if base is None and first is not None and (
-            is_view(n, hidden=True) or is_wait(n) or _returns_its_input(n)
-            or (n.target is operator.getitem and is_view(first, hidden=True))  # a piece of split(...)
-        ):
-            base = first
-        root[n] = root.get(base, base) if base is not None else n
-    return root
 
 
 def _recompiled(gm: fx.GraphModule, changed: bool) -> fx.GraphModule:
@@ -220,7 +195,7 @@ def free_collective_buffers(gm: fx.GraphModule, needed: Callable[[str], bool] = 
     """
     graph = gm.graph
     order = {n: i for i, n in enumerate(graph.nodes)}
-    root = _storage_roots(graph)
+    root = storage_roots(graph)
     returned = {root[a] for a in graph.output_node().all_input_nodes}
     last: dict[fx.Node, fx.Node] = {}  # storage -> the node after which it may go
     for n in graph.nodes:

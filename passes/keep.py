@@ -22,7 +22,7 @@ from typing import Iterable
 
 from torch import fx
 
-from .graph_utils import block_of, is_view, is_wait, nbytes
+from .graph_utils import block_of, nbytes, storage_roots
 
 
 def needed_first(gathers: dict[str, fx.Node], order: dict[fx.Node, int]) -> set[str]:
@@ -41,15 +41,6 @@ def needed_first(gathers: dict[str, fx.Node], order: dict[fx.Node, int]) -> set[
     return {name for name in used if first_use[name] >= start}
 
 
-def _root(node: fx.Node, roots: dict[fx.Node, fx.Node]) -> fx.Node:
-    """The node whose storage ``node`` uses: through views and waits."""
-    if node not in roots:
-        first = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
-        aliases = first is not None and (is_view(node, hidden=True) or is_wait(node))
-        roots[node] = _root(first, roots) if aliases else node
-    return roots[node]
-
-
 def _turn(nodes: list[fx.Node], order: dict[fx.Node, int]) -> int:
     """The joint graph's first backward position: its first use of a tangent (AOT autograd
     traces the backward after the forward, the views it takes of saved values included)."""
@@ -65,14 +56,14 @@ class _Live:
         self.size = len(nodes) + 1
         order = {n: i for i, n in enumerate(nodes)}
         turn = _turn(nodes, order)
-        roots: dict[fx.Node, fx.Node] = {}
+        roots = storage_roots(graph)
         uses: dict[fx.Node, list[int]] = {}
         for n in nodes:
-            r = _root(n, roots)
+            r = roots[n]
             uses.setdefault(r, []).append(order[n])
             for u in n.users:
                 uses[r].append(self.size - 1 if u.op == "output" else order[u])
-        param_roots = {_root(full, roots): name for name, full in fulls.items()}
+        param_roots = {roots[full]: name for name, full in fulls.items()}
         self.base = [0] * (self.size + 1)
         self.kept: dict[str, list[tuple[int, int, int]]] = {}  # name -> intervals (bytes, start, end) if kept
         self.resharded: dict[str, list[tuple[int, int, int]]] = {}
