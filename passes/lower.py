@@ -162,9 +162,8 @@ def lower_annotations(gm: fx.GraphModule, reshard_after_forward: bool | None = N
     collective: autograd already routed it there.
     Gathers to reshard (the op's flag, or ``reshard_after_forward`` when given; a flag of
     None: all but those :func:`passes.keep.kept_for_backward` keeps within ``budget_bytes``,
-    on a joint graph) and the views of their results are
-    tagged MUST_RECOMPUTE, so a partitioned forward saves their shards, not the full
-    parameters. Numerics are unchanged; the pass is idempotent.
+    on a joint graph) and the views of their results are tagged MUST_RECOMPUTE, so a
+    partitioned forward saves their shards, not the full parameters. Numerics are unchanged; the pass is idempotent.
     """
     graph = gm.graph
     if not any(graph.find_nodes(op="call_function", target=getattr(annotations, name).default)

@@ -212,15 +212,15 @@ def _inductor_schedule(gm: fx.GraphModule, ctx: Context) -> None:
     inductor_schedule(gm, config.compute_time, config.comm_time)
 
 
-def _keeping(ctx: Context) -> dict[str, Any]:
-    """The budget within which the joint graph keeps more gathered blocks for the backward
+def _keep_budget(ctx: Context) -> int | None:
+    """The bytes within which the joint graph keeps more gathered blocks for the backward
     (passes/keep.py): the memory budget less the optimizer state, which the graphs do not hold;
-    none without a budget, or under unequal batch shares, where ranks see other activation
+    None without a budget, or under unequal batch shares, where ranks see other activation
     sizes and would keep different blocks."""
     gb = ctx.options.memory_budget_gb
     if gb is None or uneven_shares_in_use():
-        return {"budget_bytes": None}
-    return {"budget_bytes": int(gb * 2**30) - ctx.options.optimizer_states * ctx.param_bytes}
+        return None
+    return int(gb * 2**30) - ctx.options.optimizer_states * ctx.param_bytes
 
 
 # The graph Dynamo hands the backend.
@@ -236,7 +236,7 @@ JOINT: tuple[Step, ...] = (
          None, provides=frozenset({RNG_SAVED})),  # a torch 2.13 bug, see autoshard/_compat.py
     Pass("merge_shared_parameters", lambda gm, ctx: merge_shared_parameters(gm),
          "shared parameters merged", frozenset({UNBATCHED}), frozenset({MERGED})),
-    Pass("lower_annotations", lambda gm, ctx: lower_annotations(gm, ctx.options.reshard_after_forward, **_keeping(ctx)),
+    Pass("lower_annotations", lambda gm, ctx: lower_annotations(gm, ctx.options.reshard_after_forward, _keep_budget(ctx)),
          "annotations replaced by collectives", frozenset({MERGED}), frozenset({LOWERED, RECOMPUTE_TAGS})),
     Stage("lowered"),
 )

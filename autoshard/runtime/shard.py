@@ -212,8 +212,9 @@ def shard(
             repeated block and the parameters first used after it (torchtitan's default for
             FSDP2: kept, they cost no memory at the step's peak and save the backward's first,
             exposed gathers), and, given the backend's ``memory_budget_gb``, as many blocks
-            before it, last first, as fit the budget (``passes/keep.py``); False for ``"grad_op"`` (and ``"replicate"``, which gathers
-            nothing); True with those two is an error.
+            before it, last first, as fit the budget (``passes/keep.py``); False for
+            ``"grad_op"`` (and ``"replicate"``, which gathers nothing); True with those two is
+            an error.
         strategy: ``"full"`` (ZeRO-3), ``"grad_op"`` (ZeRO-2: parameters stay gathered from
             forward to backward; gradients and optimizer state sharded), ``"replicate"``
             (DDP: full parameters on every rank, gradients all-reduced in buckets during the
