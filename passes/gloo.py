@@ -17,10 +17,10 @@ from .graph_utils import (
     group_backend,
     group_rank,
     is_exchange,
-    storage_roots,
     val,
     wait_of,
 )
+from .storage import storage_roots
 
 aten = torch.ops.aten
 resize_storage_bytes_ = torch.ops.inductor.resize_storage_bytes_.default

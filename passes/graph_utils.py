@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import fx
 
-from autoshard._compat import c10d, optimization_hint, resolve_process_group, schema_of
+from autoshard._compat import c10d, optimization_hint, resolve_process_group
 from autoshard.runtime.batched import calls_of
 from autoshard.runtime.ops import arguments
 
@@ -176,28 +176,6 @@ def out_buffer(node: fx.Node) -> fx.Node | None:
     out = node.args[0] if node.target is c10d.all_reduce_.default else node.kwargs.get("out")
     return out if isinstance(out, fx.Node) else None
 
-
-
-def _returns_its_input(node: fx.Node) -> bool:
-    # An in-place op (copy_ into a slice of a bucket, as PyTorch's bucketer does) returns its
-    # first argument: its schema's return shares that argument's alias set.
-    schema = schema_of(node.target)
-    return bool(schema and schema.returns and schema.returns[0].alias_info is not None)
-
-
-def storage_roots(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
-    """node -> the node that allocated the storage it uses (itself when it allocates)."""
-    root: dict[fx.Node, fx.Node] = {}
-    for n in graph.nodes:
-        base = out_buffer(n)
-        first = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
-        if base is None and first is not None and (
-            is_view(n, hidden=True) or is_wait(n) or _returns_its_input(n)
-            or (n.target is operator.getitem and is_view(first, hidden=True))  # a piece of split(...)
-        ):
-            base = first
-        root[n] = root.get(base, base) if base is not None else n
-    return root
 
 
 def is_wait(node: fx.Node) -> bool:

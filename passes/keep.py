@@ -22,7 +22,8 @@ from typing import Iterable
 
 from torch import fx
 
-from .graph_utils import block_of, nbytes, storage_roots
+from .graph_utils import block_of, nbytes
+from .storage import storage_roots
 
 
 def needed_first(gathers: dict[str, fx.Node], order: dict[fx.Node, int]) -> set[str]:
