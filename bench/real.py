@@ -49,6 +49,8 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from real_summary import parity_lines, prediction_lines, ratio_lines, sanity_lines  # noqa: E402
+
 import autoshard  # noqa: E402
 from autoshard._compat import dynamo_counters as counters  # noqa: E402
 from autoshard.compiler.cost_model import DeviceProfile, get_profile  # noqa: E402
@@ -65,7 +67,6 @@ KEEP = ("autoshard_keep",)  # SimpleFSDP's choice, like for like: not resharding
 SIMPLE_FSDP = tuple(simple_fsdp.VARIANTS)
 SYSTEMS = OURS + KEEP + SIMPLE_FSDP
 DEFAULT_SYSTEMS = OURS + ("simplefsdp", "simplefsdp_auto", "simplefsdp_block")
-PARITY_TOL = 1e-5
 MEMORY_METHOD = (
     "peak = persistent state at step start (parameters + gradients + optimizer state: bytes of the local "
     "tensors; + DDP's gradient buckets) + highest rise of allocated CPU bytes during a steady-state step "
@@ -372,7 +373,8 @@ def rows_of(world: int, per_rank: list[dict], systems: list[str]) -> list[dict]:
 
 
 TABLE = (
-    "world", "system", "step_ms", "fwd_bwd_ms", "step_vs_ddp", "peak_mib", "peak_vs_ddp", "predicted_ms", "pred_error", "pred_error_in_run",
+    "run", "world", "system", "step_ms", "fwd_bwd_ms", "step_vs_ddp", "peak_mib", "peak_vs_ddp", "predicted_ms", "pred_error",
+    "pred_error_in_run",
 )
 
 
@@ -388,22 +390,25 @@ def main() -> None:
     parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(DEFAULT_SYSTEMS),
                         help="default: all but simplefsdp_inductor* (Inductor's C++ compile takes minutes on CPU)")
     parser.add_argument("--steps", type=int, default=8, help="timed steps")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="run every world this many times (fresh ranks); ratios are summarised over the runs")
     parser.add_argument("--warmup", type=int, default=2,
                         help="untimed steps first: compilation in the first, optimizer state created by its step")
     parser.add_argument("--fsdp2-compile-backend", default="aot_eager", help="torch.compile backend of fsdp2_compile")
     parser.add_argument("--profile", default="cpu", help="cost-model profile for the prediction (see cost_model.get_profile)")
     parser.add_argument("--json", help="also write the rows and the configuration to this file")
     args = parser.parse_args()
-    if args.warmup < 1 or args.steps < 1:
-        parser.error("--warmup and --steps must be at least 1")
+    if args.warmup < 1 or args.steps < 1 or args.repeat < 1:
+        parser.error("--warmup, --steps and --repeat must be at least 1")
     if (why := simple_fsdp.missing()) and any(s in SIMPLE_FSDP for s in args.systems):
         print(why)
         args.systems = [s for s in args.systems if s not in SIMPLE_FSDP]
 
     start = time.perf_counter()
     rows = []
-    for world in args.world_sizes:
-        rows += rows_of(world, run_ranks(world, run_systems, args, timeout=None), args.systems)
+    for run in range(1, args.repeat + 1):
+        for world in args.world_sizes:
+            rows += [{**row, "run": run} for row in rows_of(world, run_ranks(world, run_systems, args, timeout=None), args.systems)]
     elapsed = time.perf_counter() - start
 
     params = sum(p.numel() for p in GPT(GPTConfig(args.vocab, args.seq, args.layers, args.heads, args.embd)).parameters())
@@ -412,29 +417,10 @@ def main() -> None:
           f"{args.fsdp2_compile_backend} (fsdp2_compile) / aot_eager (autoshard, simplefsdp*) / inductor (simplefsdp_inductor*)")
     print("step_ms, fwd_bwd_ms: max over ranks of each rank's median; peak_mib: max over ranks. Memory: " + MEMORY_METHOD)
     print(tabulate([[r[k] for k in TABLE] for r in rows], headers=TABLE, floatfmt=".3f", missingval=""))
-    worst = max(rows, key=lambda r: r["parity"])
-    print(f"parity: every system's losses (each rank, each of the {args.warmup + args.steps + 2} steps) within "
-          f"{worst['parity']:.1e} of {args.systems[0]}'s ({worst['system']}, world {worst['world']}): "
-          f"{'OK' if worst['parity'] <= PARITY_TOL else 'NOT'} within {PARITY_TOL:g}")
-    by_system = {s: max(r["parity"] for r in rows if r["system"] == s) for s in args.systems[1:] if any(r["system"] == s for r in rows)}
-    print("parity by system (worst world): " + ", ".join(f"{s} {e:.1e}" for s, e in by_system.items()))
-    for r in rows:
-        if r["pred_error"] is not None:
-            verdict = "within" if abs(r["pred_error"]) <= 0.25 else "NOT within"
-            print(f"world {r['world']} {r['system']}: predicted fwd+bwd {r['predicted_ms']:.1f} ms (profile {args.profile}) "
-                  f"vs measured {r['fwd_bwd_ms']:.1f} ms: error {r['pred_error']:+.0%}, {verdict} 25%; "
-                  f"with compute measured in the run: {r['pred_error_in_run']:+.0%}")
-    for world in args.world_sizes:
-        mine = {r["system"]: r for r in rows if r["world"] == world}
-        for ours in (o for o in ("autoshard",) + KEEP if o in mine):
-            for s in (s for s in args.systems if s in SIMPLE_FSDP):
-                print(f"world {world} {ours} / {s}: step {mine[ours]['step_ms'] / mine[s]['step_ms']:.2f}x, "
-                      f"peak {mine[ours]['peak_mib'] / mine[s]['peak_mib']:.2f}x")
-        if "ddp" in mine:
-            sharded = [s for s in mine if s != "ddp"]
-            ok = all(mine["ddp"]["peak_mib"] > mine[s]["peak_mib"] for s in sharded)
-            print(f"sanity, world {world}: DDP peak {mine['ddp']['peak_mib']:.1f} MiB "
-                  f"{'exceeds' if ok else 'does NOT exceed'} every sharded system's ({', '.join(sharded)})")
+    steps = args.warmup + args.steps + 2
+    for line in (*parity_lines(rows, args.systems, steps), *prediction_lines(rows, args.profile),
+                 *ratio_lines(rows, SIMPLE_FSDP), *sanity_lines(rows)):
+        print(line)
     print(f"total {elapsed:.0f} s", file=sys.stderr)
     if args.json:
         Path(args.json).write_text(json.dumps({"config": vars(args), "memory_method": MEMORY_METHOD, "rows": rows}, indent=2))
