@@ -6,10 +6,11 @@ others' gathers are recomputed in the backward (``passes/lower.py`` tags them).
 
 Always kept: the backward's first block (:func:`needed_first`): it adds nothing at the step's
 peak. Given a memory budget, more repeated blocks, last first (the backward needs them
-soonest), while an estimate of the step's peak stays within the budget less one block (the
-schedule's room to prefetch): the live bytes of the joint graph in its order (forward, the
-turn, backward), a saved value live from its forward definition to its last backward use, a
-resharded parameter's full value live over its forward uses and again over its backward uses.
+soonest), while an estimate of the step's peak stays within the budget less the room the
+bucketed schedule needs beyond it (:func:`room`): the live bytes of the joint graph in its
+order (forward, the turn, backward), a saved value live from its forward definition to its
+last backward use, a resharded parameter's full value live over its forward uses and again over
+its backward uses.
 Each kept block spares a gather in the backward. Without a budget nothing more: measured on
 gloo ranks, one more block kept cost its full bytes at the step's peak (docs/benchmarks.md).
 
@@ -22,7 +23,7 @@ from typing import Iterable
 
 from torch import fx
 
-from .graph_utils import block_of, nbytes
+from .graph_utils import arg, block_of, collective_kind, nbytes
 from .storage import storage_roots
 
 
@@ -99,6 +100,26 @@ class _Live:
         return sum(size for name in names for size, _, _ in self.kept.get(name, ()))
 
 
+def _gather_input(full: fx.Node) -> fx.Node | None:
+    """The input of the all-gather ``full`` (a parameter's gathered value) is a view of."""
+    node = full
+    while node is not None and collective_kind(node) != "all_gather":
+        node = node.all_input_nodes[0] if node.all_input_nodes else None
+    return None if node is None else arg(node, "input")
+
+
+def room(live: _Live, blocks: list[list[str]], gathers: dict[str, fx.Node]) -> int:
+    """Bytes the bucketed schedule holds beyond the joint graph's liveness, at the least: one
+    block's reduction in flight (its gradients copied into one flat buffer, and as many bytes
+    received: two blocks' bytes) and one block's gather copying in its shards. One block of
+    room was too little: budgets the schedule then could not meet with everything kept (12.7M
+    GPT, 2 ranks) or one block more (4 ranks) failed the compile, though keeping fewer fits."""
+    def shards(names: list[str]) -> int:
+        return sum(nbytes(x) for x in (_gather_input(gathers[n]) for n in names) if x is not None)
+
+    return max(2 * live.bytes_of(names) + shards(names) for names in blocks)
+
+
 def kept_for_backward(graph: fx.Graph, gathers: dict[str, fx.Node], order: dict[fx.Node, int],
                       budget_bytes: int | None = None) -> set[str]:
     """The parameters of ``gathers`` (name -> full value, each gathered once in the joint
@@ -116,8 +137,8 @@ def kept_for_backward(graph: fx.Graph, gathers: dict[str, fx.Node], order: dict[
     if not blocks:
         return kept
     live = _Live(graph, gathers)
-    limit = budget_bytes - max(live.bytes_of(names) for names in blocks.values())
     candidates = list(blocks.values())  # last block first
+    limit = budget_bytes - room(live, candidates, gathers)
     lo, hi = 0, len(candidates)  # the largest k whose last k blocks fit (the peak only grows with k)
     while lo < hi:
         k = (lo + hi + 1) // 2
