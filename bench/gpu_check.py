@@ -152,9 +152,8 @@ def cpu_peak_bytes(step: Callable[[], None], model: nn.Module, inputs: Sequence[
     the largest rise of allocated bytes during it, from the profiler's memory events."""
     if str(ROOT / "bench") not in sys.path:
         sys.path.append(str(ROOT / "bench"))  # last: bench/checkpoint.py must shadow nothing
+    from real_memory import peak_rise  # the profiler arithmetic bench/real.py measures CPU memory with
     from torch.profiler import ProfilerActivity, profile, record_function
-
-    from real import peak_rise  # the profiler arithmetic bench/real.py measures CPU memory with
 
     resident = sum((p.to_local() if isinstance(p, DTensor) else p).nbytes for p in model.parameters())
     resident += sum(t.nbytes for t in inputs)

@@ -32,11 +32,12 @@ from torch.profiler import ProfilerActivity, profile, record_function
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from moe_gpt import MoEConfig, MoEGPT  # noqa: E402
+from real_memory import peak_rise, state_bytes  # noqa: E402
 
 import autoshard  # noqa: E402
 from autoshard.tools.launch import run_ranks  # noqa: E402
 
-from real import peak_rise, state_bytes, train_step  # noqa: E402
+from real import train_step  # noqa: E402
 
 MODES = ("gathered", "parallel")
 SYSTEMS = [(mode, compiled) for compiled in (False, True) for mode in MODES]

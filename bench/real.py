@@ -24,7 +24,11 @@ graph_trainer's automatic and per-block manual bucketing/reordering, all on "aot
 ``simplefsdp_inductor*`` (not run by default: Inductor's C++ compile takes minutes here) the same
 on "inductor". Both passes need CUDA for their runtime estimates; on CPU they run with
 ``simple_fsdp.cpu_estimates`` (see there). Without torchtitan the rows are skipped with a
-one-line reason. Every system's losses are compared with the first system's (``parity``): the
+one-line reason. ``autoshard_iso`` is autoshard given the memory SimpleFSDP needs: its
+``memory_budget_gb`` is the lowest peak a SimpleFSDP row measured in the same run (each variant's
+highest over the ranks, profiled after its warm-up: every system then warms up two steps more,
+so losses stay step for step comparable); where autoshard cannot fit that, the row is skipped
+saying so. Every system's losses are compared with the first system's (``parity``): the
 same initial weights and batches give the same losses to 1e-5.
 
 Compiled systems use the "aot_eager" compiler (Inductor spends minutes compiling C++ on a
@@ -45,16 +49,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from tabulate import tabulate
-from torch.autograd import DeviceType
-from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from real_memory import MEMORY_METHOD, profiled_peak, state_bytes  # noqa: E402
 from real_summary import parity_lines, prediction_lines, ratio_lines, sanity_lines  # noqa: E402
 
 import autoshard  # noqa: E402
 from autoshard._compat import dynamo_counters as counters  # noqa: E402
 from autoshard.compiler.cost_model import DeviceProfile, get_profile  # noqa: E402
 from autoshard.compiler.dump import recording  # noqa: E402
+from autoshard.runtime.errors import over_budget_in  # noqa: E402
 from autoshard.tools import calibrate  # noqa: E402
 from autoshard.tools.launch import run_ranks  # noqa: E402
 from autoshard.tools.simulator import analyze  # noqa: E402
@@ -65,14 +69,11 @@ from gpt import GPT, GPTConfig  # noqa: E402
 OURS = ("ddp", "fsdp2", "fsdp2_compile", "autoshard_none", "autoshard")
 KEEP = ("autoshard_keep",)  # SimpleFSDP's choice, like for like: not resharding after forward
 SIMPLE_FSDP = tuple(simple_fsdp.VARIANTS)
-SYSTEMS = OURS + KEEP + SIMPLE_FSDP
-DEFAULT_SYSTEMS = OURS + ("simplefsdp", "simplefsdp_auto", "simplefsdp_block")
-MEMORY_METHOD = (
-    "peak = persistent state at step start (parameters + gradients + optimizer state: bytes of the local "
-    "tensors; + DDP's gradient buckets) + highest rise of allocated CPU bytes during a steady-state step "
-    "(running sum of torch.profiler '[memory]' alloc/free events, profile_memory=True, all threads, time "
-    "order; the second of two profiled steps)"
-)
+# autoshard given the memory SimpleFSDP needs: memory_budget_gb is the lowest peak a SimpleFSDP
+# row measured in this run (each variant's worst rank), so its step answers "as fast at that memory?"
+ISO = ("autoshard_iso",)
+SYSTEMS = OURS + KEEP + ISO + SIMPLE_FSDP
+DEFAULT_SYSTEMS = OURS + ("simplefsdp", "simplefsdp_auto", "simplefsdp_block") + ISO
 
 
 # --- one function per system: wrap a freshly built GPT, return (callable, module owning the parameters)
@@ -113,11 +114,11 @@ def setup_fsdp2_compile(model: GPT, args: argparse.Namespace) -> tuple:
     return torch.compile(model, backend=args.fsdp2_compile_backend), model
 
 
-def _setup_autoshard(model: GPT, schedule: str, reshard_after_forward: bool | None = None) -> tuple:
+def _setup_autoshard(model: GPT, schedule: str, reshard_after_forward: bool | None = None, **options) -> tuple:
     # The backend's own "profile" option keeps its default ("cpu" off CUDA); --profile only
     # changes the profile the prediction below is made with.
     autoshard.shard(model, reshard_after_forward=reshard_after_forward)
-    options = {"compiler": "aot_eager", "schedule": schedule}
+    options = {"compiler": "aot_eager", "schedule": schedule, **options}
     return torch.compile(model, backend="autoshard", options=options), model
 
 
@@ -135,50 +136,15 @@ def setup_autoshard_keep(model: GPT, args: argparse.Namespace) -> tuple:
     return _setup_autoshard(model, "autoshard", reshard_after_forward=False)
 
 
-SETUPS = {name: globals()[f"setup_{name}"] for name in OURS + KEEP}
+def setup_autoshard_iso(model: GPT, args: argparse.Namespace) -> tuple:
+    return _setup_autoshard(model, "autoshard", memory_budget_gb=args.iso_budget_gb)
+
+
+SETUPS = {name: globals()[f"setup_{name}"] for name in OURS + KEEP + ISO}
 SETUPS.update((name, lambda model, args, name=name: simple_fsdp.setup(name, model)) for name in SIMPLE_FSDP)
 
 
 # --- measurement, on every rank
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t  # DTensor shards: count this rank's part
-
-
-def state_bytes(model, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    """Bytes this rank keeps between steps: parameters, gradients, optimizer state (and DDP's buckets)."""
-    params = list(module.parameters())
-    total = sum(_local(p).nbytes for p in params)
-    if hasattr(model, "_get_ddp_logging_data"):
-        # DDP's reducer keeps flat gradient buckets (one more full copy of the gradients, allocated
-        # at construction) that no parameter points to; the sizes come from its (private) logging data.
-        total += sum(int(b) for b in model._get_ddp_logging_data()["bucket_sizes"].split(",") if b)
-    total += sum(_local(p.grad).nbytes for p in params if p.grad is not None)
-    total += sum(_local(t).nbytes for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor))
-    return total
-
-
-def peak_rise(prof: profile, window: str) -> int:
-    """Highest allocated bytes during the ``window`` record_function, above its start.
-
-    Kineto's "[memory]" events carry the signed size of every allocation (+) and free (-);
-    their running sum in time order (all threads) is the allocated bytes, relative to when the
-    profiler started. (FunctionEvent.cpu_memory_usage counts nested ops' allocations twice.)
-    """
-    events = list(prof.profiler.kineto_results.events())
-    (start, end) = next((e.start_ns(), e.end_ns()) for e in events if e.name() == window)
-    memory = sorted((e for e in events if e.name() == "[memory]" and e.device_type() == DeviceType.CPU), key=lambda e: e.start_ns())
-    live = peak = base = 0
-    for e in memory:
-        if e.start_ns() > end:
-            break
-        if e.start_ns() < start:
-            base = live = live + e.nbytes()
-        else:
-            live += e.nbytes()
-            peak = max(peak, live - base)
-    return peak
 
 
 def train_step(model, optimizer, x, y, losses: list | None = None) -> tuple[float, float]:
@@ -235,6 +201,12 @@ class Trained:
             self.step()
         for _ in range(args.warmup - 1):
             self.step()
+        if getattr(args, "iso_sizing", False):  # every system the same steps, so losses stay comparable
+            if system in SIMPLE_FSDP:
+                self.sizing_peak = profiled_peak(self.step, state_bytes(self.model, self.module, self.optimizer))
+            else:
+                for _ in range(2):
+                    self.step()
         self.warmup_s = time.perf_counter() - start
         self.compiled_graphs = counters["stats"]["unique_graphs"] - graphs_before  # Dynamo graphs (0: eager)
         self.times: list[tuple[float, float]] = []
@@ -245,20 +217,13 @@ class Trained:
 
 def measure_memory(t: Trained, args: argparse.Namespace, in_run: DeviceProfile) -> dict:
     """``t``'s timed steps summarised, and its peak memory and predictions measured now."""
-    # Memory in separate steps: the profiler slows the steps it watches. Two steps, the second
-    # measured: the profiler drops frees of blocks allocated before it started (torch warns of
-    # "a block of unknown size"), so buffers one step hands to the next are only seen this way.
     persistent = state_bytes(t.model, t.module, t.optimizer)
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        t.step()
-        with record_function("measured_step"):
-            t.step()
-
+    peak = profiled_peak(t.step, persistent)
     result = {
         "fwd_bwd_s": statistics.median(f for f, _ in t.times),
         "step_s": statistics.median(s for _, s in t.times),
         "state_bytes": persistent,
-        "peak_bytes": persistent + peak_rise(prof, "measured_step"),
+        "peak_bytes": peak,
         "warmup_s": t.warmup_s,
         "graphs": t.compiled_graphs,
         "losses": [float(v) for v in t.losses],
@@ -291,6 +256,14 @@ def measure(system: str, args: argparse.Namespace, in_run: DeviceProfile) -> dic
 APART = ("fsdp2_compile",)
 
 
+def iso_budget_gb(trained: list[Trained]) -> float:
+    """The lowest peak (GiB) the SimpleFSDP rows measured while warming up, each variant's
+    highest over the ranks (as the table reports it): the same on every rank."""
+    peaks = torch.tensor([float(t.sizing_peak) for t in trained if t.system in SIMPLE_FSDP], dtype=torch.float64)
+    dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
+    return peaks.min().item() / 2**30
+
+
 def run_systems(args: argparse.Namespace) -> dict[str, dict]:
     """This rank's measurements of every system in ``args.systems``. The systems are set up
     first; their timed steps then take turns (one step of each per round, the order
@@ -307,8 +280,18 @@ def run_systems(args: argparse.Namespace) -> dict[str, dict]:
         torch._dynamo.reset()
         counters.clear()
         trained = []
-        for system in group:
-            trained.append(Trained(system, args))
+        for system in sorted(group, key=lambda s: s in ISO):  # the budget comes from the others
+            if system in ISO:
+                args.iso_budget_gb = iso_budget_gb(trained)
+            try:
+                trained.append(Trained(system, args))
+            except Exception as e:  # Dynamo wraps the backend's error; only a budget too small is a result
+                if system not in ISO or (over := over_budget_in(e)) is None:
+                    raise
+                if dist.get_rank() == 0:  # every rank compiled the same graphs within the same budget
+                    print(f"autoshard_iso skipped: SimpleFSDP's lowest peak ({args.iso_budget_gb:.3f} GiB) is below what autoshard "
+                          f"needs ({over.smallest_bytes / 2**30:.3f} GiB)", flush=True)
+                continue
             if dist.get_rank() == 0:
                 t = trained[-1]
                 print(f"world {world} {system:15s} warm-up {t.warmup_s:6.1f} s ({t.compiled_graphs} graphs)",
@@ -324,14 +307,15 @@ def run_systems(args: argparse.Namespace) -> dict[str, dict]:
         results.update((t.system, measure_memory(t, args, in_run)) for t in trained)
         del trained
     if dist.get_rank() == 0:
-        for system in args.systems:
+        for system in (s for s in args.systems if s in results):
             print(f"world {world} {system:15s} step {results[system]['step_s'] * 1e3:7.1f} ms (rank 0)", file=sys.stderr, flush=True)
-    return {s: results[s] for s in args.systems}
+    return {s: results[s] for s in args.systems if s in results}
 
 
 def rows_of(world: int, per_rank: list[dict], systems: list[str]) -> list[dict]:
     """One row per system. Times: max over ranks of each rank's median; peak: max over ranks."""
     rows = []
+    systems = [s for s in systems if s in per_rank[0]]  # a skipped row is missing on every rank
     for system in systems:
         rs = [r[system] for r in per_rank]
         row = {
@@ -403,6 +387,12 @@ def main() -> None:
     if (why := simple_fsdp.missing()) and any(s in SIMPLE_FSDP for s in args.systems):
         print(why)
         args.systems = [s for s in args.systems if s not in SIMPLE_FSDP]
+    if any(s in ISO for s in args.systems) and not any(s in SIMPLE_FSDP for s in args.systems):
+        print("autoshard_iso skipped: its memory budget is a SimpleFSDP row's measured peak, and none runs")
+        args.systems = [s for s in args.systems if s not in ISO]
+    args.iso_sizing = any(s in ISO for s in args.systems)
+    if args.iso_sizing and args.warmup < 2:
+        parser.error("autoshard_iso needs --warmup 2 or more: SimpleFSDP's peak is measured after its warm-up")
 
     start = time.perf_counter()
     rows = []
@@ -417,7 +407,7 @@ def main() -> None:
           f"{args.fsdp2_compile_backend} (fsdp2_compile) / aot_eager (autoshard, simplefsdp*) / inductor (simplefsdp_inductor*)")
     print("step_ms, fwd_bwd_ms: max over ranks of each rank's median; peak_mib: max over ranks. Memory: " + MEMORY_METHOD)
     print(tabulate([[r[k] for k in TABLE] for r in rows], headers=TABLE, floatfmt=".3f", missingval=""))
-    steps = args.warmup + args.steps + 2
+    steps = args.warmup + args.steps + 2 + (2 if args.iso_sizing else 0)
     for line in (*parity_lines(rows, args.systems, steps), *prediction_lines(rows, args.profile),
                  *ratio_lines(rows, SIMPLE_FSDP), *sanity_lines(rows)):
         print(line)

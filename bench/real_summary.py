@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import statistics
 
-OURS = ("autoshard", "autoshard_keep")
+OURS = ("autoshard", "autoshard_keep", "autoshard_iso")
 PARITY_TOL = 1e-5
 
 

@@ -16,7 +16,7 @@ from autoshard.passes import schedule_overlap
 from autoshard.passes.graph_utils import collective_kind, nbytes
 from autoshard.passes.schedule import PLAN
 from autoshard.passes.schedule_config import ScheduleConfig
-from autoshard.runtime.errors import AutoshardError, InflightCapError, OverBudgetError, UsageError
+from autoshard.runtime.errors import AutoshardError, InflightCapError, OverBudgetError, UsageError, over_budget_in
 from autoshard.tools import plan as plan_module
 
 from pass_graphs import Stack, bucketed, matmuls_take_one, stage
@@ -82,18 +82,18 @@ def test_the_planner_catches_only_the_does_not_fit_types():
     assert set(bucket_plan.DOES_NOT_FIT) == {OverBudgetError, InflightCapError}
 
 
-def test_plan_reads_over_budget_by_type_through_dynamos_wrapper():
-    """tools/plan.py finds the schedule's OverBudgetError inside the errors wrapping it, by
+def test_over_budget_is_read_by_type_through_dynamos_wrapper():
+    """over_budget_in (tools/plan.py, bench/real.py) finds the schedule's OverBudgetError inside the errors wrapping it, by
     type: a ValueError with the same words is not one."""
     inner = OverBudgetError("autoshard option 'memory_budget_gb': 1.000 GiB is below ...", smallest_bytes=123)
     wrapper = RuntimeError("backend failed")
     wrapper.inner_exception = inner  # as Dynamo's BackendCompilerFailed holds it
-    assert plan_module._over_budget(wrapper) is inner
+    assert over_budget_in(wrapper) is inner
     outer = RuntimeError("outer")
     outer.__cause__ = wrapper
-    assert plan_module._over_budget(outer).smallest_bytes == 123
+    assert over_budget_in(outer).smallest_bytes == 123
     lookalike = ValueError("autoshard option 'memory_budget_gb': 1.000 GiB is below what this graph needs")
-    assert plan_module._over_budget(lookalike) is None
+    assert over_budget_in(lookalike) is None
 
 
 def test_plan_message_matching_is_gone():

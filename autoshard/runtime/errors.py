@@ -24,6 +24,16 @@ class OverBudgetError(AutoshardError, ValueError):
         self.smallest_bytes = smallest_bytes
 
 
+def over_budget_in(error: BaseException | None) -> OverBudgetError | None:
+    """The schedule's :class:`OverBudgetError` inside ``error``, or None: Dynamo wraps what a
+    backend raises (``BackendCompilerFailed.inner_exception``), other code chains it (``__cause__``)."""
+    while error is not None:
+        if isinstance(error, OverBudgetError):
+            return error
+        error = error.__cause__ or getattr(error, "inner_exception", None)
+    return None
+
+
 class InflightCapError(AutoshardError, ValueError):
     """No schedule keeps the gathered parameters in flight under ``max_inflight_mb``."""
 

@@ -39,7 +39,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from autoshard._compat import fake_tensor_mode
 from autoshard.compiler.cost_model import get_profile
 from autoshard.compiler.options import parse_options
-from autoshard.runtime.errors import OverBudgetError, UsageError
+from autoshard.runtime.errors import OverBudgetError, UsageError, over_budget_in
 from autoshard.runtime.shard import is_sharded, shard
 from autoshard.tools.cluster import Cluster
 from autoshard.tools.explain import add_input_arguments, explain, input_maker, load_factory
@@ -65,15 +65,6 @@ def _sharding(factory: Callable[[], nn.Module], c: Candidate) -> Callable[[], nn
                      experts=c.experts)
 
     return make
-
-
-def _over_budget(error: BaseException | None) -> OverBudgetError | None:
-    # The schedule's OverBudgetError, possibly inside Dynamo's wrapper.
-    while error is not None:
-        if isinstance(error, OverBudgetError):
-            return error
-        error = error.__cause__ or getattr(error, "inner_exception", None)
-    return None
 
 
 def _past_the_best_hybrid(outcomes: list[Outcome], limit: float) -> bool:
@@ -129,7 +120,7 @@ class _Search:
             try:
                 report = explain(_sharding(self.factory, c), *self.example_args, stages=_STAGES, **options)
             except Exception as e:  # noqa: BLE001 - Dynamo wraps the backend's error; only the budget's is an outcome
-                over = _over_budget(e)
+                over = over_budget_in(e)
                 if over is None:
                     raise
                 if over.smallest_bytes is not None:
