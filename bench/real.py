@@ -289,8 +289,9 @@ def run_systems(args: argparse.Namespace) -> dict[str, dict]:
                 if system not in ISO or (over := over_budget_in(e)) is None:
                     raise
                 if dist.get_rank() == 0:  # every rank compiled the same graphs within the same budget
-                    print(f"autoshard_iso skipped: SimpleFSDP's lowest peak ({args.iso_budget_gb:.3f} GiB) is below what autoshard "
-                          f"needs ({over.smallest_bytes / 2**30:.3f} GiB)", flush=True)
+                    print(f"world {dist.get_world_size()} autoshard_iso skipped: SimpleFSDP's lowest peak "
+                          f"({args.iso_budget_gb * 2**10:.1f} MiB) is below the least autoshard's memory model plans for "
+                          f"({over.smallest_bytes / 2**20:.1f} MiB)", flush=True)
                 continue
             if dist.get_rank() == 0:
                 t = trained[-1]
