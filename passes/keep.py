@@ -66,6 +66,8 @@ class _Live:
             for u in n.users:
                 uses[r].append(self.size - 1 if u.op == "output" else order[u])
         param_roots = {roots[full]: name for name, full in fulls.items()}
+        # A gather's copy-in: its input, the shards it sends (the root of a full value is its gather).
+        self.copy_in = {name: nbytes(arg(r, "input")) for r, name in param_roots.items() if collective_kind(r) == "all_gather"}
         self.base = [0] * (self.size + 1)
         self.kept: dict[str, list[tuple[int, int, int]]] = {}  # name -> intervals (bytes, start, end) if kept
         self.resharded: dict[str, list[tuple[int, int, int]]] = {}
@@ -100,24 +102,13 @@ class _Live:
         return sum(size for name in names for size, _, _ in self.kept.get(name, ()))
 
 
-def _gather_input(full: fx.Node) -> fx.Node | None:
-    """The input of the all-gather ``full`` (a parameter's gathered value) is a view of."""
-    node = full
-    while node is not None and collective_kind(node) != "all_gather":
-        node = node.all_input_nodes[0] if node.all_input_nodes else None
-    return None if node is None else arg(node, "input")
-
-
-def room(live: _Live, blocks: list[list[str]], gathers: dict[str, fx.Node]) -> int:
+def room(live: _Live, blocks: list[list[str]]) -> int:
     """Bytes the bucketed schedule holds beyond the joint graph's liveness, at the least: one
     block's reduction in flight (its gradients copied into one flat buffer, and as many bytes
     received: two blocks' bytes) and one block's gather copying in its shards. One block of
     room was too little: budgets the schedule then could not meet with everything kept (12.7M
     GPT, 2 ranks) or one block more (4 ranks) failed the compile, though keeping fewer fits."""
-    def shards(names: list[str]) -> int:
-        return sum(nbytes(x) for x in (_gather_input(gathers[n]) for n in names) if x is not None)
-
-    return max(2 * live.bytes_of(names) + shards(names) for names in blocks)
+    return max(2 * live.bytes_of(names) + sum(live.copy_in.get(n, 0) for n in names) for names in blocks)
 
 
 def kept_for_backward(graph: fx.Graph, gathers: dict[str, fx.Node], order: dict[fx.Node, int],
@@ -138,7 +129,7 @@ def kept_for_backward(graph: fx.Graph, gathers: dict[str, fx.Node], order: dict[
         return kept
     live = _Live(graph, gathers)
     candidates = list(blocks.values())  # last block first
-    limit = budget_bytes - room(live, candidates, gathers)
+    limit = budget_bytes - room(live, candidates)
     lo, hi = 0, len(candidates)  # the largest k whose last k blocks fit (the peak only grows with k)
     while lo < hi:
         k = (lo + hi + 1) // 2
