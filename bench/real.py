@@ -136,6 +136,11 @@ def setup_autoshard_keep(model: GPT, args: argparse.Namespace) -> tuple:
     return _setup_autoshard(model, "autoshard", reshard_after_forward=False)
 
 
+def sizes_simple_fsdp(args: argparse.Namespace) -> bool:
+    """Whether SimpleFSDP's peak is measured after its warm-up (for autoshard_iso's budget)."""
+    return any(s in ISO for s in args.systems)
+
+
 def setup_autoshard_iso(model: GPT, args: argparse.Namespace) -> tuple:
     return _setup_autoshard(model, "autoshard", memory_budget_gb=args.iso_budget_gb)
 
@@ -201,7 +206,7 @@ class Trained:
             self.step()
         for _ in range(args.warmup - 1):
             self.step()
-        if getattr(args, "iso_sizing", False):  # every system the same steps, so losses stay comparable
+        if sizes_simple_fsdp(args):  # every system the same steps, so losses stay comparable
             if system in SIMPLE_FSDP:
                 self.sizing_peak = profiled_peak(self.step, state_bytes(self.model, self.module, self.optimizer))
             else:
@@ -391,8 +396,7 @@ def main() -> None:
     if any(s in ISO for s in args.systems) and not any(s in SIMPLE_FSDP for s in args.systems):
         print("autoshard_iso skipped: its memory budget is a SimpleFSDP row's measured peak, and none runs")
         args.systems = [s for s in args.systems if s not in ISO]
-    args.iso_sizing = any(s in ISO for s in args.systems)
-    if args.iso_sizing and args.warmup < 2:
+    if sizes_simple_fsdp(args) and args.warmup < 2:
         parser.error("autoshard_iso needs --warmup 2 or more: SimpleFSDP's peak is measured after its warm-up")
 
     start = time.perf_counter()
@@ -408,9 +412,9 @@ def main() -> None:
           f"{args.fsdp2_compile_backend} (fsdp2_compile) / aot_eager (autoshard, simplefsdp*) / inductor (simplefsdp_inductor*)")
     print("step_ms, fwd_bwd_ms: max over ranks of each rank's median; peak_mib: max over ranks. Memory: " + MEMORY_METHOD)
     print(tabulate([[r[k] for k in TABLE] for r in rows], headers=TABLE, floatfmt=".3f", missingval=""))
-    steps = args.warmup + args.steps + 2 + (2 if args.iso_sizing else 0)
+    steps = args.warmup + args.steps + 2 + (2 if sizes_simple_fsdp(args) else 0)
     for line in (*parity_lines(rows, args.systems, steps), *prediction_lines(rows, args.profile),
-                 *ratio_lines(rows, SIMPLE_FSDP), *sanity_lines(rows)):
+                 *ratio_lines(rows, ("autoshard",) + KEEP + ISO, SIMPLE_FSDP), *sanity_lines(rows)):
         print(line)
     print(f"total {elapsed:.0f} s", file=sys.stderr)
     if args.json:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import statistics
 
-OURS = ("autoshard", "autoshard_keep", "autoshard_iso")
 PARITY_TOL = 1e-5
 
 
@@ -44,9 +43,9 @@ def _spread(values: list[float]) -> str:
     return f"{statistics.median(values):.2f}x (runs {min(values):.2f}-{max(values):.2f}x)"
 
 
-def ratio_lines(rows: list[dict], rivals: tuple[str, ...]) -> list[str]:
-    """For each world, each of ours against each rival present: step and peak ratios, each
-    measured within one run, then their median and range over the runs."""
+def ratio_lines(rows: list[dict], ours: tuple[str, ...], rivals: tuple[str, ...]) -> list[str]:
+    """For each world, each of ``ours`` against each of ``rivals`` present: step and peak ratios,
+    each measured within one run, then their median and range over the runs."""
     lines = []
     for world in sorted({r["world"] for r in rows}):
         runs: dict[int, dict[str, dict]] = {}
@@ -54,11 +53,11 @@ def ratio_lines(rows: list[dict], rivals: tuple[str, ...]) -> list[str]:
             if r["world"] == world:
                 runs.setdefault(r["run"], {})[r["system"]] = r
         present = set().union(*runs.values())
-        for ours in (o for o in OURS if o in present):
+        for mine in (o for o in ours if o in present):
             for rival in (s for s in rivals if s in present):
-                step = [run[ours]["step_ms"] / run[rival]["step_ms"] for run in runs.values()]
-                peak = [run[ours]["peak_mib"] / run[rival]["peak_mib"] for run in runs.values()]
-                lines.append(f"world {world} {ours} / {rival}: step {_spread(step)}, peak {_spread(peak)}")
+                step = [run[mine]["step_ms"] / run[rival]["step_ms"] for run in runs.values()]
+                peak = [run[mine]["peak_mib"] / run[rival]["peak_mib"] for run in runs.values()]
+                lines.append(f"world {world} {mine} / {rival}: step {_spread(step)}, peak {_spread(peak)}")
     return lines
 
 

@@ -20,14 +20,14 @@ def test_ratios_are_per_run_then_median_and_range():
         _row(2, 2, "autoshard", 160, 50), _row(2, 2, "simplefsdp_block", 200, 100),
         _row(3, 2, "autoshard", 70, 50), _row(3, 2, "simplefsdp_block", 100, 100),
     ]
-    assert ratio_lines(rows, ("simplefsdp", "simplefsdp_block")) == [
+    assert ratio_lines(rows, ("autoshard",), ("simplefsdp", "simplefsdp_block")) == [
         "world 2 autoshard / simplefsdp_block: step 0.80x (runs 0.70-0.90x), peak 0.50x (runs 0.50-0.50x)",
     ]
 
 
 def test_one_run_prints_one_ratio_per_pair_and_world():
     rows = [_row(1, w, s, step, 10) for w in (2, 4) for s, step in (("autoshard", 50), ("autoshard_keep", 40), ("simplefsdp", 100))]
-    assert ratio_lines(rows, ("simplefsdp",)) == [
+    assert ratio_lines(rows, ("autoshard", "autoshard_keep"), ("simplefsdp",)) == [
         "world 2 autoshard / simplefsdp: step 0.50x, peak 1.00x",
         "world 2 autoshard_keep / simplefsdp: step 0.40x, peak 1.00x",
         "world 4 autoshard / simplefsdp: step 0.50x, peak 1.00x",
