@@ -6,11 +6,17 @@ others' gathers are recomputed in the backward (``passes/lower.py`` tags them).
 
 Always kept: the backward's first block (:func:`needed_first`): it adds nothing at the step's
 peak. Given a memory budget, more repeated blocks, last first (the backward needs them
-soonest), while an estimate of the step's peak stays within the budget less the room the
-bucketed schedule needs beyond it (:func:`room`): the live bytes of the joint graph in its
-order (forward, the turn, backward), a saved value live from its forward definition to its
-last backward use, a resharded parameter's full value live over its forward uses and again over
-its backward uses.
+soonest), while an estimate of the least the bucketed graphs need (:class:`_Live`) stays within
+the budget less one activation (the partitioner recomputes cheap values in the backward beside
+those it saves). The estimate is the live bytes of the joint graph in its order (forward, the
+turn, backward): the inputs (parameter shards, the batch) through the whole step, a saved value
+live from its forward definition to its last backward use, a resharded parameter's full value
+live over its forward uses and again over its backward uses, a block's gather copying in its
+shards where it runs, and a block's reduction holding two blocks' bytes (its gradients copied
+into one flat buffer, as many received) where its last gradient is made. A room of one block
+added at the peak instead let budgets fail the compile (12.7M GPT), and one that let kept
+blocks' shards die after the forward did too (bench/real.py's default GPT, a budget equal to
+the default's need): each kept more than the schedule could then fit.
 Each kept block spares a gather in the backward. Without a budget nothing more: measured on
 gloo ranks, one more block kept cost its full bytes at the step's peak (docs/benchmarks.md).
 
@@ -23,8 +29,10 @@ from typing import Iterable
 
 from torch import fx
 
-from .graph_utils import arg, block_of, collective_kind, nbytes
+from .graph_utils import PARAMS, arg, block_of, collective_kind, nbytes
 from .storage import storage_roots
+
+KEPT_BLOCKS = "autoshard_kept_blocks"  # on a lowered joint graph: the blocks kept beyond needed_first
 
 
 def needed_first(gathers: dict[str, fx.Node], order: dict[fx.Node, int]) -> set[str]:
@@ -50,8 +58,14 @@ def _turn(nodes: list[fx.Node], order: dict[fx.Node, int]) -> int:
     return min(uses, default=len(nodes))
 
 
+def _group(name: str) -> str:
+    return block_of(name) or name  # the bucketing pass buckets a block's parameters together
+
+
 class _Live:
-    """Live bytes of the joint graph by position, each parameter's full value kept or not."""
+    """Live bytes of the joint graph by position, each parameter's full value kept or not:
+    what the bucketed graphs hold at the least (each bucket gathered at its use, each reduction
+    waited at once), as the module docstring says."""
 
     def __init__(self, graph: fx.Graph, fulls: dict[str, fx.Node]) -> None:
         nodes = list(graph.nodes)
@@ -67,24 +81,44 @@ class _Live:
                 uses[r].append(self.size - 1 if u.op == "output" else order[u])
         param_roots = {roots[full]: name for name, full in fulls.items()}
         # A gather's copy-in: its input, the shards it sends (the root of a full value is its gather).
-        self.copy_in = {name: nbytes(arg(r, "input")) for r, name in param_roots.items() if collective_kind(r) == "all_gather"}
+        copy_in = {name: nbytes(arg(r, "input")) for r, name in param_roots.items() if collective_kind(r) == "all_gather"}
         self.base = [0] * (self.size + 1)
+        self.largest_activation = 0  # the largest value the forward makes, parameters' aside
         self.kept: dict[str, list[tuple[int, int, int]]] = {}  # name -> intervals (bytes, start, end) if kept
         self.resharded: dict[str, list[tuple[int, int, int]]] = {}
         for r, at in uses.items():
             size = 0 if r.op == "placeholder" and r.name.startswith("tangents") else nbytes(r)
             if not size:
                 continue
-            start, end = (0 if r.op == "placeholder" else order[r]), max(at)
+            # Inputs live through the step: parameter shards (the optimizer steps them), the batch.
+            start, end = (0, self.size - 1) if r.op == "placeholder" else (order[r], max(at))
             name = param_roots.get(r)
             if name is None:
                 self._add(self.base, size, start, end)
+                if r.op != "placeholder" and start < turn:
+                    self.largest_activation = max(self.largest_activation, size)
                 continue
             forward, later = [i for i in at if i < turn], [i for i in at if i >= turn]
             self.kept.setdefault(name, []).append((size, start, end))
             self.resharded.setdefault(name, []).append((size, start, max(forward, default=start)))
-            if later:  # gathered again just before its first backward use
-                self.resharded[name].append((size, min(later), max(later)))
+            if later:  # gathered again just before its first backward use, its shards copied in
+                self.resharded[name] += [(size, min(later), max(later)), (copy_in.get(name, 0), min(later), min(later))]
+        self._add_collectives(nodes, order, param_roots, copy_in)
+
+    def _add_collectives(self, nodes: list[fx.Node], order: dict[fx.Node, int], param_roots: dict[fx.Node, str],
+                         copy_in: dict[str, int]) -> None:
+        """A bucket's gather copies its shards in where its first gather runs; its reduction
+        holds its gradients copied into one flat buffer and as many bytes received where its
+        last gradient is made (a bucket: a block's parameters)."""
+        gathers: dict[str, list[tuple[int, int]]] = {}  # bucket -> (position, bytes) of each parameter
+        for r, name in param_roots.items():
+            gathers.setdefault(_group(name), []).append((order[r], copy_in.get(name, 0)))
+        reduces: dict[str, list[tuple[int, int]]] = {}
+        for n in nodes:
+            for name in n.meta.get(PARAMS, ()) if collective_kind(n) == "reduce_scatter" else ():
+                reduces.setdefault(_group(name), []).append((order[n], 2 * nbytes(arg(n, "input"))))
+        for group, at in [(g, min(i for i, _ in g)) for g in gathers.values()] + [(g, max(i for i, _ in g)) for g in reduces.values()]:
+            self._add(self.base, sum(b for _, b in group), at, at)
 
     @staticmethod
     def _add(diff: list[int], size: int, start: int, end: int) -> None:
@@ -102,20 +136,18 @@ class _Live:
         return sum(size for name in names for size, _, _ in self.kept.get(name, ()))
 
 
-def room(live: _Live, blocks: list[list[str]]) -> int:
-    """Bytes the bucketed schedule holds beyond the joint graph's liveness, at the least: one
-    block's reduction in flight (its gradients copied into one flat buffer, and as many bytes
-    received: two blocks' bytes) and one block's gather copying in its shards. One block of
-    room was too little: budgets the schedule then could not meet with everything kept (12.7M
-    GPT, 2 ranks) or one block more (4 ranks) failed the compile, though keeping fewer fits."""
-    return max(2 * live.bytes_of(names) + sum(live.copy_in.get(n, 0) for n in names) for names in blocks)
+def extra_blocks(kept: set[str], gathers: dict[str, fx.Node], order: dict[fx.Node, int]) -> int:
+    """How many blocks of ``kept`` :func:`needed_first` does not keep."""
+    return len({block_of(n) for n in kept} - {block_of(n) for n in needed_first(gathers, order)})
 
 
 def kept_for_backward(graph: fx.Graph, gathers: dict[str, fx.Node], order: dict[fx.Node, int],
-                      budget_bytes: int | None = None) -> set[str]:
+                      budget_bytes: int | None = None, at_most: int | None = None) -> set[str]:
     """The parameters of ``gathers`` (name -> full value, each gathered once in the joint
     forward) to keep gathered for the backward: :func:`needed_first`, and with ``budget_bytes``,
-    the blocks before it, last first, that fit the budget as the module docstring says."""
+    the blocks before it, last first, that fit the budget as the module docstring says, no
+    more than ``at_most`` of them (the backend's cap when it compiles again, having kept more
+    than the schedule could fit)."""
     kept = needed_first(gathers, order)
     if budget_bytes is None:
         return kept
@@ -129,8 +161,10 @@ def kept_for_backward(graph: fx.Graph, gathers: dict[str, fx.Node], order: dict[
         return kept
     live = _Live(graph, gathers)
     candidates = list(blocks.values())  # last block first
-    limit = budget_bytes - room(live, candidates)
-    lo, hi = 0, len(candidates)  # the largest k whose last k blocks fit (the peak only grows with k)
+    # The partitioner recomputes cheap values in the backward beside those it saves: one activation more.
+    limit = budget_bytes - live.largest_activation
+    lo, hi = 0, len(candidates) if at_most is None else min(at_most, len(candidates))  # the largest k whose
+    # last k blocks fit (the peak only grows with k)
     while lo < hi:
         k = (lo + hi + 1) // 2
         if live.peak(kept.union(*candidates[:k])) <= limit:

@@ -10,7 +10,7 @@ from autoshard._compat import c10d, must_recompute
 from autoshard.runtime.ops import chunk_rows
 
 from .graph_utils import PARAMS, Replacer, arg, call, is_op, is_view, named_args, positions, val
-from .keep import kept_for_backward
+from .keep import KEPT_BLOCKS, extra_blocks, kept_for_backward
 
 aten = torch.ops.aten
 annotations = torch.ops.autoshard
@@ -144,7 +144,7 @@ def _view_chain(node: fx.Node) -> list[fx.Node]:
 
 
 def lower_annotations(gm: fx.GraphModule, reshard_after_forward: bool | None = None,
-                      budget_bytes: int | None = None) -> fx.GraphModule:
+                      budget_bytes: int | None = None, keep_at_most: int | None = None) -> fx.GraphModule:
     """Replace every autoshard annotation op with c10d functional collectives.
 
     Guarantees: ``unshard`` becomes [cast] -> pad -> all_gather_into_tensor -> wait_tensor ->
@@ -162,7 +162,9 @@ def lower_annotations(gm: fx.GraphModule, reshard_after_forward: bool | None = N
     collective: autograd already routed it there.
     Gathers to reshard (the op's flag, or ``reshard_after_forward`` when given; a flag of
     None: all but those :func:`passes.keep.kept_for_backward` keeps within ``budget_bytes``,
-    on a joint graph) and the views of their results are tagged MUST_RECOMPUTE, so a
+    no more than ``keep_at_most`` blocks beyond the first, on a joint graph; how many it kept
+    beyond the first is ``gm.meta["autoshard_kept_blocks"]``) and the views of their results
+    are tagged MUST_RECOMPUTE, so a
     partitioned forward saves their shards, not the full parameters. Numerics are unchanged; the pass is idempotent.
     """
     graph = gm.graph
@@ -197,7 +199,9 @@ def lower_annotations(gm: fx.GraphModule, reshard_after_forward: bool | None = N
                 must_recompute(n, _AC_GRAPH_ID_BASE + i)
     replacer.finish()  # the output reads the lowered nodes: the liveness the keeping reads
     fulls = {name: full for name, (_, full, _) in undecided.items()}
-    kept = kept_for_backward(graph, fulls, positions(graph.nodes), budget_bytes)
+    order = positions(graph.nodes)
+    kept = kept_for_backward(graph, fulls, order, budget_bytes, keep_at_most)
+    gm.meta[KEPT_BLOCKS] = extra_blocks(kept, fulls, order)
     for name, (i, full, created) in undecided.items():
         if name not in kept:
             for n in created + _view_chain(full):

@@ -8,6 +8,7 @@ bucketed and scheduled, checked against the other ranks' plans, and inner-compil
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import gc
 import warnings
@@ -32,16 +33,19 @@ from autoshard._compat import (
     unlogged_graph_text,
     unset_fake_temporarily,
 )
+from autoshard._compat.aot import backward_compiled_with_forward
 from autoshard._compat.caches import caches_on, keyed_by
 from autoshard.compiler import pipeline
 from autoshard.compiler.cache_key import cache_key, graph_key
-from autoshard.compiler.consistency import keys_agree, reports_compile_failure
+from autoshard.compiler.consistency import keys_agree, reports_compile_failure, retried_when
 from autoshard.compiler.cost_model import DeviceProfile, get_profile, schedule_config
 from autoshard.compiler.dump import GraphDump
 from autoshard.compiler.ghosts import gather_ghosts, with_leaves
-from autoshard.compiler.logs import CompileLog, phase
+from autoshard.compiler.logs import CompileLog, log, phase
 from autoshard.compiler.options import Options, parse_options
+from autoshard.passes.keep import KEPT_BLOCKS
 from autoshard.runtime import leaves
+from autoshard.runtime.errors import over_budget_in
 
 _warned_unsharded = False
 
@@ -178,6 +182,24 @@ def autoshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options
     return with_leaves(_following_requires_grad(_compile(gm, inputs, options), gm, inputs), ghosts)
 
 
+@dataclasses.dataclass
+class _Keeping:
+    """Across one graph's compiles: how many blocks the joint graph kept gathered beyond the
+    first (passes/keep.py, within ``memory_budget_gb``) and the most the next compile may keep.
+    The keeping prices the joint graph, the schedule the partitioned graphs; where the schedule
+    cannot fit the blocks kept, the graph is compiled again keeping fewer (one fewer, then half
+    as many), down to the first block only, whose failure is the budget's own."""
+
+    at_most: int | None = None
+    kept: int = 0
+
+    def retried(self, error: BaseException) -> bool:
+        return self.kept > 0 and over_budget_in(error) is not None
+
+    def fewer(self) -> None:
+        self.at_most = self.kept - 1 if self.at_most is None else self.kept // 2
+
+
 def _compile(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict | None) -> Callable:
     opts: Options = parse_options(options)
     _warn_if_unsharded(example_inputs)
@@ -188,11 +210,34 @@ def _compile(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict | 
     pipeline.run(pipeline.CAPTURED, gm, pipeline.Context(opts, "captured"), write)
     if opts.compiler == "eager":
         return gm.forward
+    keeping = _Keeping()
+    while True:
+        # Only a budget keeps blocks beyond the first: then the backward compiles with the forward,
+        # so an over-budget schedule is found here, where the graph can be compiled again.
+        eager_backward = backward_compiled_with_forward() if opts.memory_budget_gb is not None else contextlib.nullcontext()
+        try:
+            with retried_when(keeping.retried), eager_backward:
+                return _compile_once(gm, example_inputs, opts, clog, dump, write, param_bytes, keeping)
+        except Exception as error:  # Dynamo and Inductor wrap what the passes raise
+            if not keeping.retried(error):
+                raise
+            kept = keeping.kept
+            keeping.fewer()
+            log.info("the schedule could not fit %d kept blocks in memory_budget_gb; compiling again keeping at most %d",
+                     kept, keeping.at_most)
+
+
+def _compile_once(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Options, clog: CompileLog, dump: GraphDump,
+                  write: Callable, param_bytes: int, keeping: _Keeping) -> Callable:
+    keeping.kept = 0
 
     @reports_compile_failure
     def joint_pass(joint: fx.GraphModule, joint_inputs: Any) -> fx.GraphModule:
         with phase("joint_passes"):
-            return pipeline.run(pipeline.JOINT, joint, pipeline.Context(opts, "joint", param_bytes=param_bytes), write)
+            ctx = pipeline.Context(opts, "joint", param_bytes=param_bytes, keep_at_most=keeping.at_most)
+            joint = pipeline.run(pipeline.JOINT, joint, ctx, write)
+        keeping.kept = joint.meta.get(KEPT_BLOCKS, 0)
+        return joint
 
     # Inductor's caches serve a compile unless its stages are asked for (a hit skips the passes
     # and so their dumps): then the AOT autograd cache is off, as it is for aot_eager anyway.

@@ -8,13 +8,15 @@ error raised on every rank.
 from __future__ import annotations
 
 import ast
+import contextlib
+import contextvars
 import functools
 import hashlib
 import itertools
 import pickle
 import time
 from datetime import timedelta
-from typing import Callable, TypeVar
+from typing import Callable, Iterator, TypeVar
 
 import torch.distributed as dist
 from torch import fx
@@ -29,6 +31,9 @@ _exchanges = itertools.count()
 EXCHANGE_TIMEOUT = timedelta(minutes=5)
 # Where a rank that failed compiling says so: its peers stop waiting for its plan at once.
 _COMPILE_FAILED = "autoshard/compile_failed"
+# Errors the backend compiles again on (retried_when): a step raising one records no failure.
+_retried: contextvars.ContextVar[Callable[[BaseException], bool]] = contextvars.ContextVar(
+    "autoshard_retried", default=lambda error: False)
 F = TypeVar("F", bound=Callable)
 T = TypeVar("T")
 
@@ -36,18 +41,30 @@ T = TypeVar("T")
 def reports_compile_failure(compile_step: F) -> F:
     """Decorate a compile step that runs before the plan exchange: if it raises on one rank,
     record the error, so ranks waiting for that rank's plan raise now, not after
-    ``EXCHANGE_TIMEOUT``."""
+    ``EXCHANGE_TIMEOUT``; unless the compile will be retried on it (:func:`retried_when`)."""
 
     @functools.wraps(compile_step)
     def step(*args, **kwargs):
         try:
             return compile_step(*args, **kwargs)
         except BaseException as error:
-            if multi_rank():  # records only the first rank's error
+            if multi_rank() and not _retried.get()(error):  # records only the first rank's error
                 first_failure(_COMPILE_FAILED, dist.get_rank(), error)
             raise
 
     return step  # type: ignore[return-value]
+
+
+@contextlib.contextmanager
+def retried_when(retried: Callable[[BaseException], bool]) -> Iterator[None]:
+    """Inside, an error for which ``retried`` is true is not recorded as the compile's failure:
+    the backend compiles again. Only for errors every rank raises alike, at the same step
+    (a decision made from shapes and the cost model), so no peer is left waiting for a plan."""
+    token = _retried.set(retried)
+    try:
+        yield
+    finally:
+        _retried.reset(token)
 
 
 def _wait_for_plans(keys: list[str], what: str) -> None:

@@ -68,6 +68,9 @@ class Context:
     param_bytes: int = 0  # this rank's parameter shards: with the optimizer state, held outside the graphs
     # The ranks already agreed on the compile's cache key, which fixes the plan (consistency.keys_agree).
     key_agreed: bool = False
+    # On the joint graph, when the backend compiles again: the most blocks to keep gathered beyond
+    # the first (passes/keep.py), fewer than the last compile kept and the schedule could not fit.
+    keep_at_most: int | None = None
 
     @property
     def follow_rank0(self) -> bool:
@@ -236,7 +239,8 @@ JOINT: tuple[Step, ...] = (
          None, provides=frozenset({RNG_SAVED})),  # a torch 2.13 bug, see autoshard/_compat.py
     Pass("merge_shared_parameters", lambda gm, ctx: merge_shared_parameters(gm),
          "shared parameters merged", frozenset({UNBATCHED}), frozenset({MERGED})),
-    Pass("lower_annotations", lambda gm, ctx: lower_annotations(gm, ctx.options.reshard_after_forward, _keep_budget(ctx)),
+    Pass("lower_annotations",
+         lambda gm, ctx: lower_annotations(gm, ctx.options.reshard_after_forward, _keep_budget(ctx), ctx.keep_at_most),
          "annotations replaced by collectives", frozenset({MERGED}), frozenset({LOWERED, RECOMPUTE_TAGS})),
     Stage("lowered"),
 )
