@@ -24,12 +24,14 @@ graph_trainer's automatic and per-block manual bucketing/reordering, all on "aot
 ``simplefsdp_inductor*`` (not run by default: Inductor's C++ compile takes minutes here) the same
 on "inductor". Both passes need CUDA for their runtime estimates; on CPU they run with
 ``simple_fsdp.cpu_estimates`` (see there). Without torchtitan the rows are skipped with a
-one-line reason. ``autoshard_iso`` is autoshard given the memory SimpleFSDP needs: its
-``memory_budget_gb`` is the lowest peak a SimpleFSDP row measured in the same run (each variant's
-highest over the ranks, profiled after its warm-up: every system then warms up two steps more,
-so losses stay step for step comparable); where autoshard cannot fit that, the row is skipped
-saying so. Every system's losses are compared with the first system's (``parity``): the
-same initial weights and batches give the same losses to 1e-5.
+one-line reason. ``autoshard_iso*`` is autoshard given the memory SimpleFSDP needs: its
+``memory_budget_gb`` is a peak SimpleFSDP measured in the same run (each variant's highest over
+the ranks, profiled after its warm-up: every system then warms up two steps more, so losses stay
+step for step comparable): ``autoshard_iso`` the lowest of every variant's, ``autoshard_iso_auto``
+and ``autoshard_iso_block`` that variant's; where autoshard cannot fit it, the row is skipped
+saying so. The summary compares each with the variants whose memory it has. Every system's
+losses are compared with the first system's (``parity``): the same initial weights and batches
+give the same losses to 1e-5.
 
 Compiled systems use the "aot_eager" compiler (Inductor spends minutes compiling C++ on a
 small CPU box), so compiled and eager rows run the same ATen kernels.
@@ -52,7 +54,7 @@ from tabulate import tabulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from real_memory import MEMORY_METHOD, profiled_peak, state_bytes  # noqa: E402
-from real_summary import parity_lines, prediction_lines, ratio_lines, sanity_lines  # noqa: E402
+from real_summary import TABLE, parity_lines, prediction_lines, ratio_lines, rows_of, sanity_lines, verdict_lines  # noqa: E402
 
 import autoshard  # noqa: E402
 from autoshard._compat import dynamo_counters as counters  # noqa: E402
@@ -69,11 +71,16 @@ from gpt import GPT, GPTConfig  # noqa: E402
 OURS = ("ddp", "fsdp2", "fsdp2_compile", "autoshard_none", "autoshard")
 KEEP = ("autoshard_keep",)  # SimpleFSDP's choice, like for like: not resharding after forward
 SIMPLE_FSDP = tuple(simple_fsdp.VARIANTS)
-# autoshard given the memory SimpleFSDP needs: memory_budget_gb is the lowest peak a SimpleFSDP
-# row measured in this run (each variant's worst rank), so its step answers "as fast at that memory?"
-ISO = ("autoshard_iso",)
-SYSTEMS = OURS + KEEP + ISO + SIMPLE_FSDP
-DEFAULT_SYSTEMS = OURS + ("simplefsdp", "simplefsdp_auto", "simplefsdp_block") + ISO
+# autoshard given the memory SimpleFSDP needs: memory_budget_gb is the lowest peak the SimpleFSDP
+# rows named here measured in this run (each variant's worst rank), so its step answers "as fast
+# at that memory?": autoshard_iso at every variant's (the lowest), the others at one variant's.
+ISO = {
+    "autoshard_iso": SIMPLE_FSDP,
+    "autoshard_iso_auto": ("simplefsdp_auto",),
+    "autoshard_iso_block": ("simplefsdp_block",),
+}
+SYSTEMS = OURS + KEEP + tuple(ISO) + SIMPLE_FSDP
+DEFAULT_SYSTEMS = OURS + ("simplefsdp", "simplefsdp_auto", "simplefsdp_block") + tuple(ISO)
 
 
 # --- one function per system: wrap a freshly built GPT, return (callable, module owning the parameters)
@@ -142,10 +149,11 @@ def sizes_simple_fsdp(args: argparse.Namespace) -> bool:
 
 
 def setup_autoshard_iso(model: GPT, args: argparse.Namespace) -> tuple:
-    return _setup_autoshard(model, "autoshard", memory_budget_gb=args.iso_budget_gb)
+    return _setup_autoshard(model, "autoshard", memory_budget_gb=args.iso_budget_gb)  # set per row by run_systems
 
 
-SETUPS = {name: globals()[f"setup_{name}"] for name in OURS + KEEP + ISO}
+SETUPS = {name: globals()[f"setup_{name}"] for name in OURS + KEEP}
+SETUPS.update((name, setup_autoshard_iso) for name in ISO)
 SETUPS.update((name, lambda model, args, name=name: simple_fsdp.setup(name, model)) for name in SIMPLE_FSDP)
 
 
@@ -261,10 +269,12 @@ def measure(system: str, args: argparse.Namespace, in_run: DeviceProfile) -> dic
 APART = ("fsdp2_compile",)
 
 
-def iso_budget_gb(trained: list[Trained]) -> float:
-    """The lowest peak (GiB) the SimpleFSDP rows measured while warming up, each variant's
-    highest over the ranks (as the table reports it): the same on every rank."""
-    peaks = torch.tensor([float(t.sizing_peak) for t in trained if t.system in SIMPLE_FSDP], dtype=torch.float64)
+def iso_budget_gb(trained: list[Trained], variants: tuple[str, ...]) -> float | None:
+    """The lowest peak (GiB) the rows of ``variants`` measured while warming up, each variant's
+    highest over the ranks (as the table reports it): the same on every rank; None if none ran."""
+    peaks = torch.tensor([float(t.sizing_peak) for t in trained if t.system in variants], dtype=torch.float64)
+    if not len(peaks):  # every rank runs the same systems: all return here
+        return None
     dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
     return peaks.min().item() / 2**30
 
@@ -286,15 +296,19 @@ def run_systems(args: argparse.Namespace) -> dict[str, dict]:
         counters.clear()
         trained = []
         for system in sorted(group, key=lambda s: s in ISO):  # the budget comes from the others
-            if system in ISO:
-                args.iso_budget_gb = iso_budget_gb(trained)
+            args.iso_budget_gb = iso_budget_gb(trained, ISO[system]) if system in ISO else None
+            if system in ISO and args.iso_budget_gb is None:
+                if dist.get_rank() == 0:
+                    print(f"world {world} {system} skipped: its budget is the peak of {' or '.join(ISO[system])}, "
+                          "which did not run", flush=True)
+                continue
             try:
                 trained.append(Trained(system, args))
             except Exception as e:  # Dynamo wraps the backend's error; only a budget too small is a result
                 if system not in ISO or (over := over_budget_in(e)) is None:
                     raise
                 if dist.get_rank() == 0:  # every rank compiled the same graphs within the same budget
-                    print(f"world {dist.get_world_size()} autoshard_iso skipped: SimpleFSDP's lowest peak "
+                    print(f"world {world} {system} skipped: the SimpleFSDP peak it is given "
                           f"({args.iso_budget_gb * 2**10:.1f} MiB) is below the least autoshard's memory model plans for "
                           f"({over.smallest_bytes / 2**20:.1f} MiB)", flush=True)
                 continue
@@ -318,54 +332,11 @@ def run_systems(args: argparse.Namespace) -> dict[str, dict]:
     return {s: results[s] for s in args.systems if s in results}
 
 
-def rows_of(world: int, per_rank: list[dict], systems: list[str]) -> list[dict]:
-    """One row per system. Times: max over ranks of each rank's median; peak: max over ranks."""
-    rows = []
-    systems = [s for s in systems if s in per_rank[0]]  # a skipped row is missing on every rank
-    for system in systems:
-        rs = [r[system] for r in per_rank]
-        row = {
-            "world": world,
-            "system": system,
-            "step_ms": max(r["step_s"] for r in rs) * 1e3,
-            "fwd_bwd_ms": max(r["fwd_bwd_s"] for r in rs) * 1e3,
-            "step_vs_ddp": None,
-            "peak_mib": max(r["peak_bytes"] for r in rs) / 2**20,
-            "peak_vs_ddp": None,
-            "predicted_ms": None,
-            "pred_error": None,
-            "pred_error_in_run": None,
-        }
-        if "predicted_s" in rs[0]:
-            row["predicted_ms"] = rs[0]["predicted_s"] * 1e3  # ranks compile identical graphs
-            row["pred_error"] = row["predicted_ms"] / row["fwd_bwd_ms"] - 1
-            row["pred_error_in_run"] = rs[0]["predicted_in_run_s"] * 1e3 / row["fwd_bwd_ms"] - 1
-        # Not shown in the table, kept in --json.
-        row["state_mib"] = max(r["state_bytes"] for r in rs) / 2**20
-        row["step_ms_per_rank"] = [r["step_s"] * 1e3 for r in rs]
-        row["peak_mib_per_rank"] = [r["peak_bytes"] / 2**20 for r in rs]
-        if "predicted_s" in rs[0]:
-            row["predicted_compute_ms"] = rs[0]["predicted_compute_s"] * 1e3
-            row["predicted_comm_ms"] = rs[0]["predicted_comm_s"] * 1e3
-            row["predicted_peak_mib"] = rs[0]["predicted_peak_bytes"] / 2**20  # analysis: no optimizer state
-        row["warmup_s"] = max(r["warmup_s"] for r in rs)
-        # Parity: the largest difference of a step's loss from the first system's (same rank, same step).
-        ref = [r[systems[0]]["losses"] for r in per_rank]
-        row["parity"] = max(abs(a - b) for mine, theirs in zip((r["losses"] for r in rs), ref) for a, b in zip(mine, theirs))
-        row["graphs"] = rs[0]["graphs"]
-        rows.append(row)
-    ddp = next((r for r in rows if r["system"] == "ddp"), None)
-    if ddp is not None:
-        for row in rows:
-            row["step_vs_ddp"] = row["step_ms"] / ddp["step_ms"]
-            row["peak_vs_ddp"] = row["peak_mib"] / ddp["peak_mib"]
-    return rows
-
-
-TABLE = (
-    "run", "world", "system", "step_ms", "fwd_bwd_ms", "step_vs_ddp", "peak_mib", "peak_vs_ddp", "predicted_ms", "pred_error",
-    "pred_error_in_run",
-)
+def comparisons(iso_only: bool = False) -> list[tuple[str, str]]:
+    """(autoshard row, SimpleFSDP row) pairs the summary compares: the default and
+    autoshard_keep against every variant, each iso row against the variants whose memory it has."""
+    pairs = [] if iso_only else [(mine, rival) for mine in ("autoshard",) + KEEP for rival in SIMPLE_FSDP]
+    return pairs + [(mine, rival) for mine, rivals in ISO.items() for rival in rivals]
 
 
 def main() -> None:
@@ -394,10 +365,10 @@ def main() -> None:
         print(why)
         args.systems = [s for s in args.systems if s not in SIMPLE_FSDP]
     if any(s in ISO for s in args.systems) and not any(s in SIMPLE_FSDP for s in args.systems):
-        print("autoshard_iso skipped: its memory budget is a SimpleFSDP row's measured peak, and none runs")
+        print("autoshard_iso* skipped: their memory budgets are SimpleFSDP rows' measured peaks, and none runs")
         args.systems = [s for s in args.systems if s not in ISO]
     if sizes_simple_fsdp(args) and args.warmup < 2:
-        parser.error("autoshard_iso needs --warmup 2 or more: SimpleFSDP's peak is measured after its warm-up")
+        parser.error("autoshard_iso* need --warmup 2 or more: SimpleFSDP's peak is measured after its warm-up")
 
     start = time.perf_counter()
     rows = []
@@ -414,7 +385,7 @@ def main() -> None:
     print(tabulate([[r[k] for k in TABLE] for r in rows], headers=TABLE, floatfmt=".3f", missingval=""))
     steps = args.warmup + args.steps + 2 + (2 if sizes_simple_fsdp(args) else 0)
     for line in (*parity_lines(rows, args.systems, steps), *prediction_lines(rows, args.profile),
-                 *ratio_lines(rows, ("autoshard",) + KEEP + ISO, SIMPLE_FSDP), *sanity_lines(rows)):
+                 *ratio_lines(rows, comparisons()), *verdict_lines(rows, comparisons(iso_only=True)), *sanity_lines(rows)):
         print(line)
     print(f"total {elapsed:.0f} s", file=sys.stderr)
     if args.json:
