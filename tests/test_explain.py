@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import autoshard
+from autoshard.runtime.errors import UsageError
 from autoshard.tools.cli import main
 from autoshard.tools.explain import add_arguments
 from autoshard.tools.liveness import CATEGORIES
@@ -229,6 +230,13 @@ def test_explain_leaves_no_process_group_and_refuses_a_live_one(report):
     assert not dist.is_initialized()
     with fake_world(2), pytest.raises(RuntimeError, match="own fake process group"):
         autoshard.explain(build_model, torch.zeros(1, 8, dtype=torch.long))
+
+
+def test_inductor_is_refused_before_anything_runs():
+    """Inductor's C++ kernels would read the fake tensors' data (none): the process crashed."""
+    with pytest.raises(UsageError, match="aot_eager"):
+        autoshard.explain(build("mlp"), torch.randn(2, 16), torch.randn(2, 1), world_size=2, compiler="inductor")
+    assert not dist.is_initialized()
 
 
 def test_a_module_is_copied_graph_breaks_give_a_report_each_and_inference_has_no_backward():

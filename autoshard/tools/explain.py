@@ -120,6 +120,10 @@ def _explain(
     # On CPU inputs the backend's default profile is "cpu"; the report must use the same.
     options = {"compiler": "aot_eager", "profile": profile or "cpu", **options}
     parse_options(options)  # bad options fail here, before anything is built
+    if options["compiler"] == "inductor":  # its C++ kernels read the fake tensors' (absent) data: a segfault
+        raise UsageError("autoshard.explain: compiler 'inductor' cannot run on the fake tensors explain steps with; "
+                         "leave compiler at 'aot_eager' (the same collectives, buckets and schedule: Inductor changes only "
+                         "the ATen ops) or compile for real ranks with torch.compile(model, backend='autoshard').")
     module = None
     if isinstance(model_or_factory, nn.Module):
         if is_sharded(model_or_factory):
