@@ -79,6 +79,10 @@ ISO = {
     "autoshard_iso_auto": ("simplefsdp_auto",),
     "autoshard_iso_block": ("simplefsdp_block",),
 }
+# (autoshard row, SimpleFSDP row) pairs the summary compares: each iso row with the variants whose
+# memory it has (the verdict's), and the default and autoshard_keep with every variant.
+ISO_PAIRS = [(mine, rival) for mine, rivals in ISO.items() for rival in rivals]
+PAIRS = [(mine, rival) for mine in ("autoshard",) + KEEP for rival in SIMPLE_FSDP] + ISO_PAIRS
 SYSTEMS = OURS + KEEP + tuple(ISO) + SIMPLE_FSDP
 DEFAULT_SYSTEMS = OURS + ("simplefsdp", "simplefsdp_auto", "simplefsdp_block") + tuple(ISO)
 
@@ -296,12 +300,13 @@ def run_systems(args: argparse.Namespace) -> dict[str, dict]:
         counters.clear()
         trained = []
         for system in sorted(group, key=lambda s: s in ISO):  # the budget comes from the others
-            args.iso_budget_gb = iso_budget_gb(trained, ISO[system]) if system in ISO else None
-            if system in ISO and args.iso_budget_gb is None:
-                if dist.get_rank() == 0:
-                    print(f"world {world} {system} skipped: its budget is the peak of {' or '.join(ISO[system])}, "
-                          "which did not run", flush=True)
-                continue
+            if system in ISO:
+                args.iso_budget_gb = iso_budget_gb(trained, ISO[system])
+                if args.iso_budget_gb is None:
+                    if dist.get_rank() == 0:
+                        print(f"world {world} {system} skipped: its budget is the peak of {' or '.join(ISO[system])}, "
+                              "which did not run", flush=True)
+                    continue
             try:
                 trained.append(Trained(system, args))
             except Exception as e:  # Dynamo wraps the backend's error; only a budget too small is a result
@@ -330,13 +335,6 @@ def run_systems(args: argparse.Namespace) -> dict[str, dict]:
         for system in (s for s in args.systems if s in results):
             print(f"world {world} {system:15s} step {results[system]['step_s'] * 1e3:7.1f} ms (rank 0)", file=sys.stderr, flush=True)
     return {s: results[s] for s in args.systems if s in results}
-
-
-def comparisons(iso_only: bool = False) -> list[tuple[str, str]]:
-    """(autoshard row, SimpleFSDP row) pairs the summary compares: the default and
-    autoshard_keep against every variant, each iso row against the variants whose memory it has."""
-    pairs = [] if iso_only else [(mine, rival) for mine in ("autoshard",) + KEEP for rival in SIMPLE_FSDP]
-    return pairs + [(mine, rival) for mine, rivals in ISO.items() for rival in rivals]
 
 
 def main() -> None:
@@ -385,7 +383,7 @@ def main() -> None:
     print(tabulate([[r[k] for k in TABLE] for r in rows], headers=TABLE, floatfmt=".3f", missingval=""))
     steps = args.warmup + args.steps + 2 + (2 if sizes_simple_fsdp(args) else 0)
     for line in (*parity_lines(rows, args.systems, steps), *prediction_lines(rows, args.profile),
-                 *ratio_lines(rows, comparisons()), *verdict_lines(rows, comparisons(iso_only=True)), *sanity_lines(rows)):
+                 *ratio_lines(rows, PAIRS), *verdict_lines(rows, ISO_PAIRS), *sanity_lines(rows)):
         print(line)
     print(f"total {elapsed:.0f} s", file=sys.stderr)
     if args.json:

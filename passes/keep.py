@@ -25,7 +25,6 @@ Deterministic: graph order and fake shapes only.
 from __future__ import annotations
 
 import itertools
-from typing import Iterable
 
 from torch import fx
 
@@ -113,12 +112,16 @@ class _Live:
         gathers: dict[str, list[tuple[int, int]]] = {}  # bucket -> (position, bytes) of each parameter
         for r, name in param_roots.items():
             gathers.setdefault(_group(name), []).append((order[r], copy_in.get(name, 0)))
-        reduces: dict[str, list[tuple[int, int]]] = {}
-        for n in nodes:
-            for name in n.meta.get(PARAMS, ()) if collective_kind(n) == "reduce_scatter" else ():
-                reduces.setdefault(_group(name), []).append((order[n], 2 * nbytes(arg(n, "input"))))
-        for group, at in [(g, min(i for i, _ in g)) for g in gathers.values()] + [(g, max(i for i, _ in g)) for g in reduces.values()]:
+        for group in gathers.values():
+            at = min(i for i, _ in group)
             self._add(self.base, sum(b for _, b in group), at, at)
+        reduces: dict[str, list[tuple[int, int]]] = {}
+        for n in (n for n in nodes if collective_kind(n) == "reduce_scatter"):
+            for name in n.meta.get(PARAMS, ()):
+                reduces.setdefault(_group(name), []).append((order[n], nbytes(arg(n, "input"))))
+        for group in reduces.values():
+            at = max(i for i, _ in group)
+            self._add(self.base, 2 * sum(b for _, b in group), at, at)
 
     @staticmethod
     def _add(diff: list[int], size: int, start: int, end: int) -> None:
@@ -131,9 +134,6 @@ class _Live:
             for size, start, end in (self.kept if name in kept else self.resharded)[name]:
                 self._add(diff, size, start, end)
         return max(itertools.accumulate(diff))
-
-    def bytes_of(self, names: Iterable[str]) -> int:
-        return sum(size for name in names for size, _, _ in self.kept.get(name, ()))
 
 
 def extra_blocks(kept: set[str], gathers: dict[str, fx.Node], order: dict[fx.Node, int]) -> int:
@@ -163,8 +163,8 @@ def kept_for_backward(graph: fx.Graph, gathers: dict[str, fx.Node], order: dict[
     candidates = list(blocks.values())  # last block first
     # The partitioner recomputes cheap values in the backward beside those it saves: one activation more.
     limit = budget_bytes - live.largest_activation
-    lo, hi = 0, len(candidates) if at_most is None else min(at_most, len(candidates))  # the largest k whose
-    # last k blocks fit (the peak only grows with k)
+    # The largest k (at most at_most) whose last k blocks fit: the peak only grows with k.
+    lo, hi = 0, len(candidates) if at_most is None else min(at_most, len(candidates))
     while lo < hi:
         k = (lo + hi + 1) // 2
         if live.peak(kept.union(*candidates[:k])) <= limit:
