@@ -4,11 +4,11 @@ Installed as ``autoshard.passes``. Their order, stages and schedules are declare
 ``autoshard/compiler/pipeline.py``; in short: on the joint forward+backward graph,
 unbatch_annotations, merge_shared_parameters then lower_annotations; on each
 partitioned graph, normalize_collectives, bucket_collectives then schedule_overlap (or PyTorch's own scheduler,
-inductor_schedule, as a baseline), then over gloo gathers_into_buffers and, for graphs run
-op by op, reductions_by_exchange and free_collective_buffers.
+inductor_schedule, as a baseline), then over gloo gathers_into_buffers, reductions_by_exchange and, for graphs run op
+by op, gathers_in_place and free_collective_buffers (for Inductor, gather_inputs_held).
 """
 from .bucket import bucket_collectives, plan_buckets, planned_buckets
-from .gloo import free_collective_buffers, gathers_in_place, gathers_into_buffers, reductions_by_exchange
+from .gloo import free_collective_buffers, gather_inputs_held, gathers_in_place, gathers_into_buffers, reductions_by_exchange
 from .inductor_schedule import inductor_schedule
 from .lower import lower_annotations
 from .merge_shared import merge_shared_parameters
@@ -20,6 +20,7 @@ __all__ = [
     "bucket_collectives",
     "planned_buckets",
     "free_collective_buffers",
+    "gather_inputs_held",
     "gathers_in_place",
     "gathers_into_buffers",
     "inductor_schedule",

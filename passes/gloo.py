@@ -24,6 +24,8 @@ from .storage import storage_roots
 
 aten = torch.ops.aten
 resize_storage_bytes_ = torch.ops.inductor.resize_storage_bytes_.default
+HOLD = torch.ops.autoshard.hold.default
+SEND_BUFFER = torch.ops.autoshard.send_buffer.default
 
 # gloo runs the out-of-place all_gather_into_tensor through its coalesced all-gather work,
 # which corrupts the process's heap when several gathers are in flight at once (measured on
@@ -121,6 +123,53 @@ def gathers_in_place(
         gather.kwargs = {**gather.kwargs, "out": into}
         graph.erase_node(flat)
         graph.erase_node(buffer)
+        changed = True
+    return _recompiled(gm, changed)
+
+
+# A collective in flight reads its input until its wait. Inductor knows it of the out-of-place
+# collectives (their wait reads their input: its "out-of-place collective safety"), not of the
+# _out form that gathers_into_buffers emits, whose input it takes for dead once the call
+# returns: it handed that storage to the next buffer of the same size while gloo was still
+# sending from it (a ViT's patch-embedding weight, overwritten by the pixels' layout copy: the
+# loss off by 1e-2 from the first step, by a different amount each run). Holding the graph's
+# input node is not enough: Inductor may send a layout copy of it (there, a channels-last
+# weight made contiguous), a buffer of its own that the graph cannot name. So the input is
+# an opaque op's output, whose layout Inductor keeps: a copy-in or pad already, else a copy.
+_OPAQUE_INPUTS = (torch.ops.autoshard.copy_in.default, torch.ops.autoshard.pad_shard.default, SEND_BUFFER)
+
+
+def gather_inputs_held(gm: fx.GraphModule, needed: Callable[[str], bool] = on_gloo) -> fx.GraphModule:
+    """Keep each gather-into-buffer's input alive until its wait, for compilers that plan buffers.
+
+    Guarantees: every ``all_gather_into_tensor_out(x, ..., out=buffer)`` over a ``needed`` group
+    sends from the output of an opaque op (``x`` itself when it is a copy-in or a pad, else
+    ``autoshard.send_buffer(x)``, a contiguous copy, placed right before the gather), and after
+    its wait ``autoshard.hold(wait, [that input])`` reads it: a compiler that plans its own
+    buffers (Inductor) neither frees nor reuses the storage the gather sends from before the
+    gather is done. ``hold`` does nothing at run time; order, numerics and collectives are
+    unchanged. Run after :func:`gathers_into_buffers` and after scheduling (the ops are no
+    compute to place). The pass is idempotent.
+
+        before:  x -> gather(x, out=empty) -> ... y = reuse(x's storage) ... -> wait -> uses
+        after:   x -> send_buffer(x) -> gather(copy, out=empty) -> ... -> wait -> hold(wait, [copy]) -> uses
+    """
+    graph = gm.graph
+    held = {arg(n, "done") for n in graph.find_nodes(op="call_function", target=HOLD)}
+    changed = False
+    for gather in collectives(graph, c10d.all_gather_into_tensor_out.default):
+        wait = wait_of(gather)
+        if not needed(arg(gather, "group_name")) or wait in held:
+            continue
+        sent = arg(gather, "input")
+        if sent.target not in _OPAQUE_INPUTS:
+            with graph.inserting_before(gather):
+                copy = graph.call_function(SEND_BUFFER, (sent,))
+            copy.meta["val"] = val(sent)
+            gather.replace_input_with(sent, copy)
+            sent = copy
+        with graph.inserting_after(wait):
+            graph.call_function(HOLD, (wait, [sent]))
         changed = True
     return _recompiled(gm, changed)
 

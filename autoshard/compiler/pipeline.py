@@ -24,6 +24,7 @@ from autoshard.compiler.options import SCHEDULES
 from autoshard.passes import (
     bucket_collectives,
     free_collective_buffers,
+    gather_inputs_held,
     gathers_in_place,
     gathers_into_buffers,
     inductor_schedule,
@@ -192,6 +193,8 @@ def _gloo(gm: fx.GraphModule, ctx: Context) -> None:
     if _frees_its_buffers(ctx.options.compiler):  # Inductor plans its own buffers (and no out= ops)
         gathers_in_place(gm)
         free_collective_buffers(gm)
+    else:  # ... but it must not reuse a gather's input while the gather sends from it
+        gather_inputs_held(gm)
 
 
 def gloo_memory(late_release: tuple[str, ...], copied: tuple[str, ...], compiler: str) -> CollectiveMemory:

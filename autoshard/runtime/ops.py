@@ -283,3 +283,29 @@ def copy_in(parts: list[torch.Tensor], rows: int) -> torch.Tensor:
 @copy_in.register_fake
 def _(parts, rows):
     return parts[0].new_empty((sum(p.numel() for p in parts),))
+
+
+@torch.library.custom_op("autoshard::send_buffer", mutates_args=())
+def send_buffer(x: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of ``x`` for a collective to send from, opaque, so a compiler hands
+    the collective this very storage (no layout copy of its own in between) and
+    :func:`hold` can keep it alive until the wait."""
+    return x.contiguous().clone()
+
+
+@send_buffer.register_fake
+def _(x):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("autoshard::hold", mutates_args=("held",))
+def hold(done: torch.Tensor, held: list[torch.Tensor]) -> None:
+    """Nothing, at run time. In a graph it reads ``held`` after ``done`` (a collective's wait):
+    a compiler that plans its own buffers then keeps ``held`` (what the collective reads while in
+    flight) alive, and unshared with any other buffer, until the wait (passes/gloo.py). Declared
+    as writing ``held`` so that no compiler drops it as unused."""
+
+
+@hold.register_fake
+def _(done, held):
+    return None
