@@ -7,21 +7,27 @@ the one its docstring draws.
 """
 from __future__ import annotations
 
-import torch
-from torch import fx
+import re
 
-from autoshard._compat import c10d
+import torch
+import torch.distributed as dist
+from torch import fx
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from autoshard._compat import c10d, compile_fx_inner, run_and_get_code
 from autoshard.passes import (
     free_collective_buffers,
+    gather_inputs_held,
     gathers_in_place,
     gathers_into_buffers,
     reductions_by_exchange,
     schedule_overlap,
 )
-from autoshard.passes.graph_utils import PARAMS, collective_kind
+from autoshard.passes.graph_utils import PARAMS, arg, collective_kind, wait_of
 from autoshard.passes.schedule_config import ScheduleConfig
 from autoshard.passes.step_model import Storages, peak_bytes
 
+from fake_pg import fake_world
 from pass_graphs import WORLD, bucketed, events, gathers, label, matmuls_take_one
 
 
@@ -147,3 +153,56 @@ def test_reduce_scatters_over_gloo_become_all_to_alls_and_a_mean_over_ranks(draw
     freed = {n.args[0] for n in backward.graph.find_nodes(op="call_function", target=torch.ops.inductor.resize_storage_bytes_.default)}
     buckets = {n.args[0].args[0] if n.args[0].target is torch.ops.aten.view.default else n.args[0] for n in exchanges}
     assert buckets <= freed and set(exchanges) <= freed  # the buckets (the cat under a view) and what they received
+
+
+def _in_flight_step(w: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    sent = w * 2                                                        # [16, 8]: a buffer Inductor plans
+    gathered = c10d.all_gather_into_tensor(sent, 2, dist.group.WORLD.group_name)  # [32, 8], in flight
+    other = torch.mm(x, y)                                              # [16, 8]: computed meanwhile
+    return c10d.wait_tensor(gathered) * 3, other
+
+
+def _reused_while_in_flight(code: str) -> list[str]:
+    """The buffers Inductor's code hands to another tensor (its ``# reuse`` lines) between a
+    gather-into-buffer's call and its wait while the gather sends from them (through its
+    ``a = b`` renames too)."""
+    sending: dict[str, str] = {}  # the gather's input -> its buffer, until the wait
+    reused = []
+    for line in code.splitlines():
+        if m := re.search(r"all_gather_into_tensor_out\.default\((\w+), .*out=(\w+)\)", line):
+            sending[m[1]] = m[2]
+        elif m := re.search(r"wait_tensor\.default\((\w+)\)", line):
+            sending = {x: out for x, out in sending.items() if out != m[1]}
+        elif m := re.search(r"^\s*(\w+) = (\w+)$", line):  # a rename: the new name sends too
+            sending.update({m[1]: out for x, out in sending.items() if x == m[2]})
+        elif (m := re.search(r"del (\w+)  # reuse", line)) and m[1] in sending:
+            reused.append(m[1])
+    return reused
+
+
+def test_under_inductor_a_gathers_input_is_not_reused_before_its_wait():
+    """The storage an all-gather sends from stays its own until the wait: gloo reads it on its
+    own thread meanwhile. Inductor knows that of out-of-place collectives, not of the _out form
+    gathers_into_buffers makes: it handed the input's storage to the next tensor of its size
+    (the matmul here; a ViT's pixels in the wild, gradients silently wrong).
+
+    before: ag_out(w) mm wait
+    after:  send_buffer ag_out(send_buffer) mm wait hold(send_buffer)
+    """
+    args = (torch.randn(16, 8), torch.randn(16, 4), torch.randn(4, 8))
+    graphs, codes = {}, {}
+    with fake_world(2):
+        for held in (False, True):
+            gm = graphs[held] = make_fx(_in_flight_step)(*args)
+            gathers_into_buffers(gm, needed=lambda group: True)
+            if held:
+                gather_inputs_held(gm, needed=lambda group: True)
+                gather_inputs_held(gm, needed=lambda group: True)  # idempotent
+            _, (codes[held],) = run_and_get_code(lambda: compile_fx_inner(gm, list(args))(list(args)))
+    assert _reused_while_in_flight(codes[False])  # the hazard is real: this graph shows it
+    assert not _reused_while_in_flight(codes[True])
+    (gather,) = graphs[True].graph.find_nodes(op="call_function", target=c10d.all_gather_into_tensor_out.default)
+    sent = arg(gather, "input")
+    assert sent.target is torch.ops.autoshard.send_buffer.default
+    holds = graphs[True].graph.find_nodes(op="call_function", target=torch.ops.autoshard.hold.default)
+    assert [(arg(h, "done"), arg(h, "held")) for h in holds] == [(wait_of(gather), [sent])]
