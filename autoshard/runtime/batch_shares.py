@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from autoshard._compat import tree_map_only
+from autoshard.runtime import leaves
 from autoshard.runtime.errors import UsageError
 from autoshard.runtime.fail_together import check_same_on_all_ranks
 from autoshard.runtime.sharded import _SHARDED
@@ -162,6 +163,10 @@ def _weighted(weight: torch.Tensor):
 
 
 def _hook(module: nn.Module, args: Any, output: Any) -> Any:
+    if module.__dict__.get(leaves.DIVIDE_FACTOR) is not None:
+        # Summed gradients (a divide factor, grad_scale.py) come from a loss already divided by a
+        # global count: nothing to weight. A constant Dynamo guards on: changing it recompiles.
+        return output
     return tree_map_only(torch.Tensor, _weighted(getattr(module, WEIGHT)), output)
 
 

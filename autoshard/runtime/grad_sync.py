@@ -92,6 +92,9 @@ def _flush(modules: list[nn.Module]) -> None:
     with torch.no_grad():
         for bucket in _buckets(pending):
             for (param, _, _), reduced in zip(bucket, _reduce_bucket(bucket)):
+                scale = param.__dict__.get(leaves.GRAD_SCALE)  # a divide factor (grad_scale.py)
+                if scale is not None:
+                    reduced = reduced * scale
                 grad = DTensor.from_local(
                     reduced, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
                 )

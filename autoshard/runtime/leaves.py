@@ -46,6 +46,10 @@ from torch.distributed.tensor import DTensor
 from autoshard._compat import FakeTensor, keep_shape_static, tracing_for_backend
 
 LEAVES = "_autoshard_leaves"  # on each module owning sharded parameters: parameter name -> Leaves
+# On a DTensor parameter: what its reduced (averaged) gradient is multiplied by as it reaches
+# .grad; absent: 1 (autoshard/runtime/grad_scale.py).
+GRAD_SCALE = "_autoshard_grad_scale"
+DIVIDE_FACTOR = "_autoshard_divide_factor"  # on each module: the factor set (None: averaged)
 _ON_PARAM = "_autoshard_leaves"  # on the DTensor parameter itself: shared by every module using it (tied)
 
 
@@ -66,14 +70,16 @@ class _GradLink:
         self.grad: DTensor | None = None  # the parameter's .grad, made (or adopted) around ...
         self.local: torch.Tensor | None = None  # ... the leaf's .grad
 
-    def before(self, grad: torch.Tensor) -> None:
+    def before(self, grad: torch.Tensor) -> torch.Tensor | None:
         # Before autograd accumulates into the leaf: start from the parameter's .grad as it is
         # now (None after zero_grad(set_to_none=True); another tensor if one was assigned).
         param, leaf = self.param, self.leaf
-        if param.grad is self.grad:
-            return
-        self.grad = param.grad
-        leaf.grad = self.local = None if param.grad is None else param.grad.to_local()
+        if param.grad is not self.grad:
+            self.grad = param.grad
+            leaf.grad = self.local = None if param.grad is None else param.grad.to_local()
+        # A divide factor (grad_scale.py): every reduced gradient passes here, compiled or not.
+        scale = param.__dict__.get(GRAD_SCALE)
+        return None if scale is None else grad * scale
 
     def after(self, leaf: torch.Tensor) -> None:
         # Accumulated in place into the adopted .grad: nothing to do. A new tensor (the first

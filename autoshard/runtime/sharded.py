@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from autoshard.runtime import grad_sync, leaves, ops
+from autoshard.runtime import grad_scale, grad_sync, leaves, ops
 
 _SHARDED = "_autoshard_root"  # set on every module passed to shard()
 
@@ -89,6 +89,26 @@ class ShardedModule:
         See :mod:`autoshard.grad_sync`.
         """
         grad_sync.set_requires_gradient_sync(self.modules() if recurse else [self], requires_gradient_sync)
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Gradient accumulation as with DDP and FSDP1 (what ``accelerate`` and Lightning call):
+        backwards inside accumulate locally, leaving reduces what they accumulated (a blocking
+        collective on every rank), so the next backward adds its reduced gradient. The
+        setting in force before is restored on leaving (nested calls stay unsynchronised)."""
+        before = all(m.__dict__.get(grad_sync.SYNC, True) for m in self.modules())
+        self.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.set_requires_gradient_sync(before)
+
+    def set_gradient_divide_factor(self, factor: float | None, *, recurse: bool = True) -> None:
+        """Gradients become their sum over the data-parallel ranks divided by ``factor``
+        (1.0: summed, as torchtitan's loss divided by the global token count expects; None:
+        averaged, the default), for every strategy, batch shares and experts; as FSDP2's
+        method of the same name. See :mod:`autoshard.runtime.grad_scale`."""
+        grad_scale.set_gradient_divide_factor(self.modules() if recurse else [self], factor)
 
 
 # Inside parameters_as_shards(): a global, not a module attribute, so that entering and leaving
