@@ -164,8 +164,7 @@ def gather_inputs_held(gm: fx.GraphModule, needed: Callable[[str], bool] = on_gl
         sent = arg(gather, "input")
         if sent.target not in _OPAQUE_INPUTS:
             with graph.inserting_before(gather):
-                copy = graph.call_function(SEND_BUFFER, (sent,))
-            copy.meta["val"] = val(sent)
+                copy = call(graph, SEND_BUFFER, sent)
             gather.replace_input_with(sent, copy)
             sent = copy
         with graph.inserting_after(wait):
