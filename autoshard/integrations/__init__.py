@@ -1,0 +1,3 @@
+"""Training frameworks running autoshard: ``hf`` (transformers' Trainer), ``lightning``
+(Lightning Trainer and Fabric). Each module imports its framework when it is imported itself,
+so ``import autoshard`` never needs them; see docs/integrations.md."""
