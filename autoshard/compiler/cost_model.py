@@ -188,8 +188,29 @@ def node_time(node: fx.Node, profile: str | DeviceProfile) -> float:
         nbytes = 2 * written
     else:
         nbytes = written + sum(tensor_bytes(arg.meta.get("val")) for arg in _input_nodes(node))
-    flop_time = node_flops(node) / profile.flops_per_s(_compute_dtype(node))
+    flop_time = _attention_time(node, profile)
+    if flop_time is None:
+        flop_time = node_flops(node) / profile.flops_per_s(_compute_dtype(node))
     return profile.op_overhead + profile.launch_overhead + max(flop_time, nbytes / profile.mem_bandwidth)
+
+
+_ATTENTION = {getattr(aten, name).default for name in (
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward",
+    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward")
+    if hasattr(aten, name)}
+
+
+def _attention_time(node: fx.Node, profile: DeviceProfile) -> float | None:
+    """Seconds of a fused attention kernel's FLOPs where the profile prices attention apart
+    (``attention_efficiency``); None otherwise. A causal kernel skips the masked half of the
+    score square that the flop counter counts whole."""
+    if profile.attention_efficiency is None or node.target not in _ATTENTION:
+        return None
+    causal = arguments(node.target, node.args, node.kwargs).get("is_causal", False)
+    peak = profile.flops_per_s(_compute_dtype(node)) / profile.matmul_efficiency
+    return node_flops(node) * (0.5 if causal else 1.0) / (peak * profile.attention_efficiency)
 
 
 def _input_nodes(node: fx.Node) -> list[fx.Node]:
@@ -222,7 +243,9 @@ def collective_time(kind: str, nbytes: int, ranks: int | Sequence[int], profile:
     reduce_scatter take ``(n-1) * latency + (n-1)/n * nbytes / busbw``, all_reduce twice that.
     Within one node the intra link sets both terms. A group spanning k nodes is one ring whose
     k node crossings take the inter link's latency and whose bandwidth is the inter link's: the
-    slowest hop paces a ring. 0 for one rank.
+    slowest hop paces a ring; on a profile with a NIC per rank (``nic_per_rank``) the g ranks
+    of the group on each node cross in parallel, g NICs' bandwidth, unless forwarding (g-1)/g
+    of the bytes over the intra link is slower. 0 for one rank.
     """
     if kind not in COLLECTIVE_KINDS:
         raise ValueError(f"unknown collective kind {kind!r}; valid kinds are {COLLECTIVE_KINDS}.")
@@ -236,7 +259,13 @@ def collective_time(kind: str, nbytes: int, ranks: int | Sequence[int], profile:
     if nodes == 1 or profile.inter is None:
         ring = _ring(profile.intra, kind, n - 1, fraction, nbytes)
     else:
-        ring = _ring(profile.intra, kind, n - nodes, 0.0, 0) + _ring(profile.inter, kind, nodes, fraction, nbytes)
+        # With a NIC per rank, one ring channel per NIC: each of the g ranks a group has on a
+        # node sends 1/g of the ring's bytes between nodes and forwards the rest over the
+        # node's own link, both at once; else one inter link carries them all (g = 1).
+        g = n // nodes if profile.nic_per_rank else 1
+        inter, intra = profile.inter.bandwidth[kind], profile.intra.bandwidth[kind]
+        ring = (_ring(profile.intra, kind, n - nodes, 0.0, 0) + _ring(profile.inter, kind, nodes, 0.0, 0)
+                + fraction * nbytes * max(1 / (g * inter), (g - 1) / (g * intra)))
     return 2 * ring if kind == "all_reduce" else ring
 
 

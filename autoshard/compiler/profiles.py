@@ -4,7 +4,7 @@ them; the built-in profiles (:data:`PROFILES`) and how one is written to and rea
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
@@ -57,6 +57,16 @@ class DeviceProfile(ProfileFigures):
         :data:`GLOO_RELEASE_LATE`.
     busy_power_w, idle_power_w: watts one device draws computing, and waiting (on the network);
         None where unknown (then no energy is predicted). See ``StepAnalysis.energy_j``.
+    matmul_efficiency: the fraction of ``peak_flops`` that compute-bound kernels reach (a
+        measured matmul ceiling over the datasheet peak; 1.0: the peak itself). The roofline
+        prices FLOPs at ``flops_per_s``, the peak times this.
+    attention_efficiency: the fraction of the peak a fused attention kernel reaches on the
+        FLOPs it does, a causal one doing half the square the flop counter counts (None:
+        attention priced as any other FLOPs, whole square at ``matmul_efficiency``).
+    nic_per_rank: whether every rank of a node has its own NIC (``inter`` is one NIC's
+        figures): a ring across nodes then runs one channel per NIC, the ranks a group has on
+        each node crossing between nodes in parallel (NCCL's rings, one per NIC). False: one
+        ``inter`` link paces the whole ring.
     """
 
     name: str
@@ -74,10 +84,14 @@ class DeviceProfile(ProfileFigures):
     comm_release_late: tuple[str, ...] = ()
     busy_power_w: float | None = None
     idle_power_w: float | None = None
+    matmul_efficiency: float = 1.0
+    attention_efficiency: float | None = None
+    nic_per_rank: bool = False
 
     def flops_per_s(self, dtype: torch.dtype) -> float:
-        """Peak FLOP/s for ``dtype`` (the float32 figure for unlisted dtypes)."""
-        return self.peak_flops.get(str(dtype).removeprefix("torch."), self.peak_flops["float32"])
+        """FLOP/s compute-bound kernels reach for ``dtype``: its peak (the float32 figure for
+        unlisted dtypes) times ``matmul_efficiency``."""
+        return self.matmul_efficiency * self.peak_flops.get(str(dtype).removeprefix("torch."), self.peak_flops["float32"])
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -141,6 +155,26 @@ PROFILES: dict[str, DeviceProfile] = {
                  uniform_link("nvlink3", latency=2e-6, bandwidth=240e9),
                  uniform_link("infiniband-hdr", latency=5e-6, bandwidth=22.5e9),
                  "NVIDIA A100 SXM4 datasheet; NVIDIA DGX A100 user guide", watts=(400.0, 60.0)),
+    # The machine of torchtitan's published Llama 3 runs (benchmarks/llama3_h100_202412_torchtitan.md,
+    # "Hardware"): Grand Teton hosts of 8 H100 "fully connected with NVLink", 96 GB HBM2e at
+    # "2.4 TB/sec peak memory bandwidth", "400 Gb/s per GPU" RDMA between hosts, a 500 W power
+    # limit. Its footnote 2: the peak FLOP/s of this HBM2e, lower-TDP H100 lie "between SXM and
+    # NVL" (dense BF16: SXM5 989 TFLOP/s, H100 NVL datasheet 1,671 with sparsity = 835; TF32 495
+    # and 418): we take the middle, 912 and 456 (+-8% either way). Matmuls reach 80.1% of the
+    # peak: 792.1 of 989 TFLOP/s measured on H100 SXM by the maximum achievable matmul FLOPS
+    # finder (github.com/stas00/ml-engineering, compute/accelerator, "MAMF" table, CUDA 12.1).
+    # Attention: PyTorch's SDPA flash kernel in December 2024 was FlashAttention-2, which reaches
+    # "only 35% utilization on H100 GPUs" (FlashAttention-3 paper, arXiv 2407.08608, abstract).
+    # Links as the h100 profile's: NVLink 4 at 80% of 450 GB/s per direction, one NIC per GPU at
+    # 90% of 50 GB/s, ~2 and ~5 us per ring step; every GPU's NIC carries its own ring channel.
+    # Busy power: the stated 500 W limit; idle as the h100 profile's (an approximation).
+    "h100_grand_teton": replace(
+        _dgx("h100_grand_teton", 912e12, 456e12, 2.4e12,
+             uniform_link("nvlink4", latency=2e-6, bandwidth=360e9),
+             uniform_link("roce-400g", latency=5e-6, bandwidth=45e9),
+             "torchtitan benchmarks/llama3_h100_202412_torchtitan.md (Grand Teton); NVIDIA H100 SXM5 and NVL datasheets; "
+             "ml-engineering MAMF table; FlashAttention-3 paper", watts=(500.0, 100.0)),
+        matmul_efficiency=0.801, attention_efficiency=0.35, nic_per_rank=True),
     # The 2-core development machine, gloo over loopback, 2 ranks of 1 thread each: rounded
     # from `python -m autoshard calibrate --world-sizes 2` on a quiet machine (figures move by
     # up to 2x while other jobs share the cores). reduce_scatter is gloo's run as an

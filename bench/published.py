@@ -1,0 +1,140 @@
+"""The simulator against published GPU runs: torchtitan's Llama 3.1 8B FSDP runs on H100s.
+
+Replays each run of torchtitan's ``benchmarks/llama3_h100_202412_torchtitan.md`` (Tables 1 and
+3: Llama 3.1 8B, FSDP, local batch 2, seq 8192, bf16 parameters and float32 reductions,
+selective activation checkpointing, eager and torch.compile, 8 and 128 H100s of Grand Teton
+hosts) on the simulator: the model (bench/llama3.py) compiled on fake ranks with FSDP2's
+schedule (``schedule="fsdp2"``: prefetch the next block, one reduce-scatter in flight, the
+last block kept gathered: torchtitan's settings), played on a device profile, and printed
+against the published tokens/s/GPU and memory with their ratios; then autoshard's own
+predicted step and memory for the same job (its default schedule, and optionally the layout
+``autoshard.plan`` picks):
+
+    python bench/published.py                          # the four runs, h100_grand_teton (~10 min)
+    python bench/published.py --profile h100           # on another profile
+    python bench/published.py --plan                   # also autoshard.plan's choice (slow)
+
+Memory is the simulator's peak of live tensors plus AdamW's two float32 states per shard
+(torchtitan reports the allocator's peak reserved memory). Tokens/s/GPU is the local batch's
+tokens over the predicted step. The optimizer step itself is not simulated.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from tabulate import tabulate
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from llama3 import LLAMA3_8B, Llama3, LlamaConfig  # noqa: E402
+
+import autoshard  # noqa: E402
+
+BF16 = autoshard.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+ADAMW_STATES = 2  # float32 tensors per parameter shard (exp_avg, exp_avg_sq)
+SOURCE = "torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Tables 1 and 3 (commit 9dec370, 2024-12-26)"
+
+
+@dataclass(frozen=True)
+class Published:
+    """One published run: its world size, whether torch.compile was on, and what it reported."""
+
+    world: int
+    compiled: bool
+    tokens_per_s: float  # per GPU
+    memory_gib: float  # peak reserved, per GPU
+    batch: int = 2
+    seq: int = 8192
+
+
+RUNS = (
+    Published(8, False, 5762, 82.4),
+    Published(8, True, 6667, 77.0),
+    Published(128, False, 5605, 67.0),
+    Published(128, True, 6514, 62.0),
+)
+
+
+def _factory(cfg: LlamaConfig) -> Callable[[], torch.nn.Module]:
+    def make() -> torch.nn.Module:
+        # Called inside explain's fake world: shard over all of it, in torchtitan's precision.
+        return autoshard.shard(Llama3(cfg), mixed_precision=BF16)
+    return make
+
+
+def simulate(cfg: LlamaConfig, run: Published, profile: Any, schedule: str) -> dict[str, float]:
+    """Predicted step (s), tokens/s/GPU and memory (GiB, AdamW state included) of ``run``
+    with ``schedule``, and the step's compute and exposed communication."""
+    tokens = torch.zeros(run.batch, run.seq, dtype=torch.long)
+    report = autoshard.explain(_factory(cfg), tokens, tokens, world_size=run.world, profile=profile,
+                               stages=("captured", "forward", "backward"), schedule=schedule)
+    return _figures(report.metrics, run)
+
+
+def _figures(m: dict[str, Any], run: Published) -> dict[str, float]:
+    step = m["step_time"]
+    return {"step_s": step, "tokens_per_s": run.batch * run.seq / step,
+            "memory_gib": (m["peak_bytes"] + ADAMW_STATES * m["shard_bytes"]) / 2**30,
+            "compute_s": m["compute_time"], "exposed_pct": 100 * m["exposed_comm"] / step}
+
+
+def planned(cfg: LlamaConfig, run: Published, profile: Any) -> dict[str, Any]:
+    """``autoshard.plan``'s choice for ``run`` (bf16, no budget) and its predicted step and memory."""
+    tokens = torch.zeros(run.batch, run.seq, dtype=torch.long)
+    plan = autoshard.plan(lambda: Llama3(cfg), tokens, tokens, world_size=run.world, profile=profile, precisions=("bf16",))
+    out = plan.outcome
+    return {"layout": plan.candidate.label(plan.ranks_per_node), "step_s": out.step_time,
+            "tokens_per_s": run.batch * run.seq / out.step_time, "memory_gib": out.peak_bytes / 2**30}
+
+
+def replay(profile: Any = "h100_grand_teton", cfg: LlamaConfig = LLAMA3_8B, runs: tuple[Published, ...] = RUNS,
+           with_plan: bool = False, progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+    """A row per published run: published and predicted tokens/s/GPU and memory with their
+    ratios (FSDP2's schedule, the system that ran), then autoshard's default for the same job,
+    and with ``with_plan`` the layout ``autoshard.plan`` picks."""
+    rows, seen = [], {}
+    for run in runs:
+        start = time.perf_counter()
+        job = replace(cfg, seq_len=max(cfg.seq_len, run.seq))
+        # The simulator plays the unfused ATen graph either way: a compiled run's prediction
+        # is its eager twin's (docs/published.md says what that leaves out).
+        key = (run.world, run.batch, run.seq)
+        if key not in seen:
+            seen[key] = simulate(job, run, profile, "fsdp2"), simulate(job, run, profile, "autoshard")
+        fsdp2, ours = seen[key]
+        row = {"gpus": run.world, "compile": run.compiled,
+               "published_tok_s": run.tokens_per_s, "predicted_tok_s": fsdp2["tokens_per_s"],
+               "tok_s_ratio": fsdp2["tokens_per_s"] / run.tokens_per_s,
+               "published_gib": run.memory_gib, "predicted_gib": fsdp2["memory_gib"],
+               "gib_ratio": fsdp2["memory_gib"] / run.memory_gib,
+               "step_s": fsdp2["step_s"], "compute_s": fsdp2["compute_s"], "exposed_pct": fsdp2["exposed_pct"],
+               "autoshard_step_s": ours["step_s"], "autoshard_gib": ours["memory_gib"],
+               "autoshard_vs_fsdp2": ours["step_s"] / fsdp2["step_s"]}
+        if with_plan:
+            p = planned(job, run, profile)
+            row.update(plan_layout=p["layout"], plan_step_s=p["step_s"], plan_gib=p["memory_gib"])
+        rows.append(row)
+        if progress is not None:
+            progress(f"{run.world} GPUs, compile={run.compiled}: {time.perf_counter() - start:.0f} s")
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--profile", default="h100_grand_teton", help="a named profile or a .json profile file")
+    parser.add_argument("--worlds", nargs="+", type=int, default=[8, 128])
+    parser.add_argument("--plan", action="store_true", help="also autoshard.plan's choice (several compiles per run)")
+    args = parser.parse_args()
+    runs = tuple(r for r in RUNS if r.world in args.worlds)
+    rows = replay(args.profile, runs=runs, with_plan=args.plan, progress=lambda s: print(s, file=sys.stderr, flush=True))
+    print(f"Llama 3.1 8B, FSDP, local batch 2, seq 8192, selective AC; profile {args.profile}; published: {SOURCE}")
+    print(tabulate(rows, headers="keys", floatfmt=".3g"))
+
+
+if __name__ == "__main__":
+    main()
