@@ -1,0 +1,58 @@
+"""bench/published.py: a row per published torchtitan run (a small Llama 3 shape on fake ranks,
+no timing asserted), and the h100_grand_teton profile holding the figures docs/published.md
+sources, with the cost-model terms it turns on."""
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import pytest
+
+from autoshard.compiler.cost_model import collective_time, get_profile
+
+sys.path.append(str(Path(__file__).resolve().parents[1] / "bench"))
+from llama3 import LlamaConfig  # noqa: E402
+from published import RUNS, replay  # noqa: E402
+
+TINY = LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=211, seq_len=64)
+
+
+def test_replay_returns_a_row_per_published_run():
+    runs = tuple(dataclasses.replace(r, seq=64) for r in RUNS)
+    rows = replay("h100_grand_teton", cfg=TINY, runs=runs)
+    assert [(r["gpus"], r["compile"]) for r in rows] == [(8, False), (8, True), (128, False), (128, True)]
+    assert [r["published_tok_s"] for r in rows] == [5762, 6667, 5605, 6514]
+    assert [r["published_gib"] for r in rows] == [82.4, 77.0, 67.0, 62.0]
+    for r in rows:
+        assert r["predicted_tok_s"] > 0 and r["predicted_gib"] > 0
+        assert r["tok_s_ratio"] == pytest.approx(r["predicted_tok_s"] / r["published_tok_s"])
+        assert r["gib_ratio"] == pytest.approx(r["predicted_gib"] / r["published_gib"])
+        assert r["autoshard_step_s"] > 0 and r["autoshard_gib"] > 0
+    # Sharded state shrinks with the world: less memory per rank at 128 than at 8.
+    assert rows[2]["predicted_gib"] < rows[0]["predicted_gib"]
+
+
+def test_grand_teton_profile_holds_the_documented_figures():
+    p = get_profile("h100_grand_teton")
+    assert p.peak_flops["bfloat16"] == 912e12 and p.peak_flops["float32"] == 456e12  # between SXM and NVL
+    assert p.mem_bandwidth == 2.4e12
+    assert p.matmul_efficiency == 0.801 and p.attention_efficiency == 0.35 and p.nic_per_rank
+    assert p.intra.bandwidth["all_gather"] == 360e9 and p.inter.bandwidth["all_gather"] == 45e9
+    assert (p.intra.latency["all_gather"], p.inter.latency["all_gather"]) == (2e-6, 5e-6)
+    assert (p.busy_power_w, p.ranks_per_node) == (500.0, 8)
+
+
+def test_a_ring_across_nodes_crosses_on_every_nic():
+    p = get_profile("h100_grand_teton")
+    one_nic = dataclasses.replace(p, nic_per_rank=False)
+    nbytes = 2**30
+    # 16 nodes of 8: each rank's NIC carries 1/8 of the ring's bytes between nodes (8 x 45 GB/s
+    # beats forwarding 7/8 over NVLink at 360 GB/s only just: the NICs pace it).
+    wire = 127 / 128 * nbytes / (8 * 45e9)
+    latency = 112 * 2e-6 + 16 * 5e-6
+    assert collective_time("all_gather", nbytes, 128, p) == pytest.approx(latency + wire)
+    assert collective_time("all_gather", nbytes, 128, one_nic) == pytest.approx(latency + 8 * wire)
+    # One rank per node (a replica group of HSDP): nothing to share, one NIC as before.
+    replicas = range(0, 128, 8)
+    assert collective_time("all_reduce", nbytes, replicas, p) == collective_time("all_reduce", nbytes, replicas, one_nic)
