@@ -54,7 +54,6 @@ from tabulate import tabulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from real_memory import MEMORY_METHOD, profiled_peak, state_bytes  # noqa: E402
-from real_summary import TABLE, parity_lines, prediction_lines, ratio_lines, rows_of, sanity_lines, verdict_lines  # noqa: E402
 
 import autoshard  # noqa: E402
 from autoshard._compat import dynamo_counters as counters  # noqa: E402
@@ -67,6 +66,7 @@ from autoshard.tools.simulator import analyze  # noqa: E402
 
 import simple_fsdp  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
+from real_summary import TABLE, parity_lines, prediction_lines, ratio_lines, rows_of, sanity_lines, verdict_lines  # noqa: E402
 
 OURS = ("ddp", "fsdp2", "fsdp2_compile", "autoshard_none", "autoshard")
 KEEP = ("autoshard_keep",)  # SimpleFSDP's choice, like for like: not resharding after forward

@@ -2,7 +2,7 @@ import inspect
 import os
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import pytest
 
@@ -10,9 +10,45 @@ ROOT = Path(__file__).resolve().parents[1]
 # The tests share the example's GPT; spawned workers inherit this sys.path.
 sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(ROOT / "tests"))
+# The benchmarks' helpers some tests check; last, so bench/checkpoint.py shadows nothing.
+sys.path.append(str(ROOT / "bench"))
 # Caches could hide a changed pass between runs.
 os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "0")
 os.environ.setdefault("TORCHINDUCTOR_AUTOGRAD_CACHE", "0")
+# Ranks and subprocesses share 2 cores: Inductor's pool of compile workers only adds processes
+# to start (tests/models: 107 s with the pool, 83 s without).
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
+
+# The tiers (markers registered in pyproject.toml). A folder that is a tier marks its tests;
+# a bare run (no paths, no -m) leaves out the tiers that have their own command in README, so
+# `python -m pytest -q` is the quick default; naming a file or folder, or `-m`, chooses instead.
+FOLDER_TIERS = {"models": "models", "integrations": "integrations"}
+OWN_COMMAND = ("slow", "models", "integrations")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        folder = Path(str(item.path)).relative_to(ROOT / "tests").parts[0]
+        if folder in FOLDER_TIERS:
+            item.add_marker(FOLDER_TIERS[folder])
+    if config.args_source is not pytest.Config.ArgsSource.TESTPATHS or config.option.markexpr:
+        return
+    left_out = [item for item in items if any(item.get_closest_marker(tier) for tier in OWN_COMMAND)]
+    if left_out:
+        skipped = set(left_out)
+        config.hook.pytest_deselected(items=left_out)
+        items[:] = [item for item in items if item not in skipped]
+
+
+@pytest.fixture
+def world8() -> Iterator[None]:
+    """A fake process group of 8 ranks: the collectives' meta kernels in hand-built graphs
+    resolve their group name."""
+    from fake_pg import fake_world
+
+    with fake_world(8):
+        yield
 
 
 @pytest.fixture

@@ -12,15 +12,11 @@ from autoshard._compat import c10d
 from autoshard.tools.liveness import CATEGORIES, Liveness, categorize, saved_sources
 from autoshard.tools.simulator import analyze
 
-from fake_pg import compile_step, fake_world
+from fake_pg import compile_step
+
+pytestmark = pytest.mark.planner
 
 aten = torch.ops.aten
-
-
-@pytest.fixture
-def world8():
-    with fake_world(WORLD):  # collectives' meta kernels resolve the group name
-        yield
 
 
 def _pair() -> tuple[fx.GraphModule, fx.GraphModule]:

@@ -22,6 +22,8 @@ from autoshard.tools.launch import run_ranks
 from models import build
 from trainer import BF16, train_mixed_precision, train_pair
 
+pytestmark = pytest.mark.multirank
+
 TOL = 1e-5
 MAX_NORM = 0.05  # below the gradients' norm: clipping is active every step
 BF16_COMPUTE = autoshard.MixedPrecision(param_dtype=BF16, reduce_dtype=torch.float32)
@@ -106,6 +108,7 @@ PARITY = [(2, c) for c in ("full", "grad_op", "replicate", "gpt", "checkpointed"
 PARITY += [(4, c) for c in ("full", "hybrid", "gpt", "checkpointed", "accumulation")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world,case", PARITY)
 def test_uneven_shares_train_like_one_process_on_the_whole_batch(world, case):
     for rank in _results(world):
@@ -115,6 +118,7 @@ def test_uneven_shares_train_like_one_process_on_the_whole_batch(world, case):
             assert found["clip_ratio"] > 1 and found["norm"] <= TOL, (rank["rank"], found)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_uneven_shares_in_bf16_are_the_weighted_per_rank_bf16_computation(world):
     for rank in _results(world):
@@ -125,6 +129,7 @@ def test_uneven_shares_in_bf16_are_the_weighted_per_rank_bf16_computation(world)
         assert found["loss_dtype"] == BF16 and found["param_dtypes"] == {torch.float32}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_bad_shares_raise_the_same_error_on_every_rank(world):
     ranks = _results(world)
@@ -133,6 +138,7 @@ def test_bad_shares_raise_the_same_error_on_every_rank(world):
         assert len(messages) == 1 and words in messages.pop(), (key, ranks[0]["refused"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_the_gradient_weight_is_world_size_times_the_share_and_survives_materialize(world):
     for rank in _results(world):
@@ -140,6 +146,7 @@ def test_the_gradient_weight_is_world_size_times_the_share_and_survives_material
         assert rank["weights"] == {"materialized": world * share, "equal": 1.0, "in_state_dict": False}, rank["weights"]
 
 
+@pytest.mark.slow
 def test_ranks_with_different_batch_sizes_compile_the_same_plan():
     assert [rank["compiles_alike"] for rank in _results(2)] == ["ok", "ok"]
 

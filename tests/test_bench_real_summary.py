@@ -2,11 +2,7 @@
 summarised over the runs (median and range), for each of ours against each rival present."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.append(str(Path(__file__).resolve().parents[1] / "bench"))
-from real_summary import parity_lines, ratio_lines, sanity_lines, verdict_lines  # noqa: E402
+from real_summary import parity_lines, ratio_lines, sanity_lines, verdict_lines
 
 
 def _row(run: int, world: int, system: str, step: float, peak: float, parity: float = 0.0) -> dict:

@@ -4,17 +4,13 @@ ranks and one short run on 2 gloo ranks, whose losses must match autoshard's."""
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.append(str(Path(__file__).resolve().parents[1] / "bench"))
-from real_summary import PARITY_TOL  # noqa: E402
-
-import simple_fsdp  # noqa: E402
-from gpt import GPT, GPTConfig  # noqa: E402
+import simple_fsdp
+from gpt import GPT, GPTConfig
+from real_summary import PARITY_TOL
 
 MISSING = simple_fsdp.missing()
 needs_torchtitan = pytest.mark.skipif(MISSING is not None, reason=MISSING or "")
@@ -38,6 +34,7 @@ def test_fake_rank_graphs_gather_forward_and_reduce_backward(variant):
         assert fw["all_gather"] > 4 * len(simple_fsdp.block_buckets(step["model"]))
 
 
+@pytest.mark.multirank
 @needs_torchtitan
 def test_real_ranks_train_like_autoshard():
     from autoshard.tools.launch import run_ranks

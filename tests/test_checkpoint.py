@@ -22,6 +22,8 @@ from autoshard.tools.launch import run_ranks
 from gpt import GPT, GPTConfig
 from models import GLOBAL_BATCH, batch, build
 
+pytestmark = pytest.mark.multirank
+
 STEPS, SAVE_AT, TOL = 4, 2, 1e-5
 
 

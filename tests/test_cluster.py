@@ -23,6 +23,8 @@ from autoshard.tools.simulator_mixed import step_times
 from gpt import GPT, GPTConfig
 from models import build
 
+pytestmark = pytest.mark.planner
+
 TOKENS = torch.zeros(1, 64, dtype=torch.long)
 # Overhead-free profiles, so compute follows flops and bytes: "slow" is "fast" at half speed.
 FAST = dataclasses.replace(get_profile("cpu"), name="fast", op_overhead=0.0, launch_overhead=0.0, ranks_per_node=2)
@@ -160,6 +162,7 @@ def test_explain_on_a_mixed_cluster_reports_each_rank_types_share_busy_and_waiti
     assert "fast (2 ranks)" in summary and "waiting" in summary
 
 
+@pytest.mark.slow
 def test_the_console_command_plans_a_cluster_file(tmp_path):
     spec = tmp_path / "cluster.json"
     spec.write_text(json.dumps({"nodes": [{"count": 1, "profile": "h100", "ranks_per_node": 4, "memory_gb": 80},

@@ -3,9 +3,7 @@ and one small measurement; plus graph_utils.near, which replaced a whole-graph n
 collective."""
 from __future__ import annotations
 
-import sys
 import time
-from pathlib import Path
 
 import torch
 from torch import fx
@@ -13,8 +11,7 @@ from torch import fx
 from autoshard._compat import COMPILE_PHASE_FUNCTIONS, wrap_compile_phases
 from autoshard.passes.graph_utils import near
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-import compile_time  # noqa: E402
+import compile_time
 
 
 def test_near_returns_members_in_graph_order_on_both_sides_of_the_anchor():

@@ -28,6 +28,8 @@ from autoshard.tools.simulator import analyze, kwh_per_million_tokens
 
 from fake_pg import compile_step, fake_world
 
+pytestmark = pytest.mark.planner
+
 WORLD = 8
 aten = torch.ops.aten
 
@@ -52,13 +54,6 @@ def gpt():
 
     yield get
     torch._dynamo.reset()
-
-
-@pytest.fixture
-def world8():
-    # Meta kernels of the collectives resolve the group name, so hand-built graphs need a group.
-    with fake_world(WORLD):
-        yield
 
 
 class Builder:

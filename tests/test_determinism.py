@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = [pytest.mark.planner, pytest.mark.slow]
+
 ROOT = Path(__file__).resolve().parents[1]
 
 _COMPILE = """

@@ -8,6 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = [pytest.mark.multirank, pytest.mark.slow]
+
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_gpt.py"
 
 

@@ -29,6 +29,8 @@ from fake_pg import fake_world, same_tokens, sharded_step
 from models import build
 from train_gpt import build_model
 
+pytestmark = pytest.mark.planner
+
 ROOT = Path(__file__).resolve().parents[1]
 FACTORY = f"{ROOT / 'examples' / 'train_gpt.py'}:build_model"
 

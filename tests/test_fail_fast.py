@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -14,6 +15,8 @@ import autoshard.runtime.checkpoint as ckpt
 from autoshard.tools.launch import run_ranks
 
 from models import batch, build
+
+pytestmark = pytest.mark.multirank
 
 FAST = 30.0  # seconds: far below any collective timeout (gloo's default: 30 minutes)
 

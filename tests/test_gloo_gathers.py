@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -14,6 +15,8 @@ import autoshard
 from autoshard.tools.launch import run_ranks
 
 from models import batch, build
+
+pytestmark = pytest.mark.multirank
 
 
 def _final_stages(folder: str) -> dict[str, str]:

@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import json
 import math
-import sys
-from pathlib import Path
 
 import torch.distributed as dist
 
-sys.path.append(str(Path(__file__).resolve().parents[1] / "bench"))  # last: bench/checkpoint.py must shadow nothing
-import gpu_check  # noqa: E402
+import gpu_check
 
 ROWS = [("fp32", "unsharded"), ("fp32", "autoshard"), ("bf16", "unsharded"), ("bf16", "autoshard")]
 

@@ -12,6 +12,8 @@ from autoshard._compat import run_and_get_code
 from fake_pg import compile_step, same_tokens
 from gpt import GPT, GPTConfig
 
+pytestmark = [pytest.mark.inductor, pytest.mark.slow]
+
 MATMULS = {"mm", "addmm", "bmm"}
 
 

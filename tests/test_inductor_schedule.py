@@ -18,6 +18,8 @@ from fake_pg import captured_graphs, count, first_example, sharded_step
 from gpt import GPT, GPTConfig
 from models import batch, build
 
+pytestmark = pytest.mark.inductor
+
 WORLD = 8
 GATHERS = (c10d.all_gather_into_tensor.default, c10d.all_gather_into_tensor_out.default)
 

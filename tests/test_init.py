@@ -17,6 +17,8 @@ from gpt import GPT, GPTConfig
 from models import build
 from trainer import train_pair
 
+pytestmark = pytest.mark.multirank
+
 CONFIG = dict(vocab_size=64, block_size=16, n_head=2, n_embd=32)  # models.build("gpt") has 2 layers
 
 
@@ -101,6 +103,7 @@ def _memory(meta: bool) -> dict[str, float]:
     return {"full": LAYERS * WIDTH * WIDTH * 4 / 2**20, "rise": _peak_mib() - before}
 
 
+@pytest.mark.slow
 def test_meta_init_never_allocates_the_full_model() -> None:
     for meta, eager in zip(run_ranks(2, _memory, True, timeout=300), run_ranks(2, _memory, False, timeout=300), strict=True):
         # Each rank holds its half (512 MiB) plus one transient full parameter (16 MiB); runs

@@ -126,6 +126,7 @@ def _smallest(cfg: GPTConfig, tokens: tuple, options: dict) -> int:
     return max(report.stages[side].meta[PLAN].smallest_bytes for side in ("forward", "backward"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cfg, tokens", [(WIDE, _tokens()), (LONG, _long_tokens())], ids=["wide", "long"])
 def test_every_budget_the_default_fits_compiles(cfg, tokens):
     low = _smallest(cfg, tokens, {})  # only the block the backward needs first kept
@@ -166,6 +167,7 @@ def _train_keeping_too_much(budget_gb: float) -> dict:
             "gathered": gathered, "compiles": len(joint_compiles)}
 
 
+@pytest.mark.multirank
 def test_a_keeping_the_schedule_cannot_fit_is_compiled_again_keeping_fewer():
     """Where the joint graph's estimate keeps more blocks than the partitioned schedule fits in
     the budget, the backend compiles again keeping fewer, on every rank alike: no rank records

@@ -8,6 +8,8 @@ import torch.distributed as dist
 
 from autoshard.tools.launch import run_ranks
 
+pytestmark = pytest.mark.multirank
+
 
 def _rank_and_world() -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()

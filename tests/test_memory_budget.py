@@ -11,6 +11,7 @@ optimizer state included: the larger of the forward's and the backward's plan pe
 """
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch.autograd import DeviceType
@@ -22,6 +23,8 @@ from autoshard.passes.schedule import PLAN
 from autoshard.tools.launch import run_ranks
 
 from gpt import GPT, GPTConfig
+
+pytestmark = [pytest.mark.multirank, pytest.mark.slow]
 
 CONFIG = dict(vocab_size=96, block_size=32, n_layer=2, n_head=4, n_embd=256)
 # Every block resharded after forward: with 2 layers, the default (the last block kept for the

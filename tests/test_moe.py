@@ -17,6 +17,8 @@ import autoshard
 from autoshard.launch import run_ranks
 from autoshard.runtime.experts import is_experts
 
+pytestmark = pytest.mark.multirank
+
 TOL = 1e-5
 _GATHER = re.compile(r'all_gather_into_tensor\w*: "\w+\[(\d+)\]')
 
@@ -42,7 +44,7 @@ def _dense_padded(name: str, world: int) -> int:
     return total
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_moe_gpt_trains_like_one_process_gathering_no_expert(world: int, tmp_path: Path) -> None:
     found = run_ranks(world, moe_trainer.train, "moe_gpt", "aot_eager", 3, str(tmp_path), timeout=900)
     for f in found:
@@ -79,6 +81,8 @@ def test_blocks_sharded_first_then_the_root() -> None:
         assert local * 2 == full
 
 
+@pytest.mark.slow
+@pytest.mark.inductor
 def test_moe_gpt_under_inductor_at_4_ranks() -> None:
     found = run_ranks(4, moe_trainer.train, "moe_gpt", "inductor", 2, timeout=900)
     for f in found:

@@ -19,6 +19,8 @@ from autoshard.runtime.experts import MARK
 
 from fake_pg import fake_world
 
+pytestmark = pytest.mark.planner
+
 WORLD = 8
 # Few tokens, wide experts: gathering every expert costs more than sending the tokens.
 WIDE = MoEConfig(n_embd=64, n_expert=8, expert_hidden=1024, block_size=8)

@@ -14,6 +14,8 @@ from autoshard.tools.launch import run_ranks
 from models import batch, build
 from trainer import OPTIMIZERS, train_pair
 
+pytestmark = pytest.mark.multirank
+
 STEPS = 5
 TOL = 1e-5
 
@@ -61,11 +63,14 @@ def _assert_within_tolerance(configs: list[tuple], world_size: int) -> None:
         assert not bad, f"(loss error, parameter error) above {TOL}: {bad}"
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 4])
+# 1 rank trains every model compiled (quick); the whole matrix at 2 ranks and the 4-rank run
+# take minutes: the slow tier.
+@pytest.mark.parametrize("world_size", [1, pytest.param(2, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow)])
 def test_matches_single_process(world_size: int) -> None:
     _assert_within_tolerance(CONFIGS[world_size], world_size)
 
 
+@pytest.mark.slow
 def test_all_schedules_train_alike():
     """The schedules reorder and bucket the same collectives: same numerics."""
     _assert_within_tolerance(SCHEDULES, 2)

@@ -24,6 +24,8 @@ from fake_pg import fake_world
 from models import build
 from trainer import train_pair
 
+pytestmark = pytest.mark.planner
+
 TOKENS = torch.zeros(1, 16, dtype=torch.long)
 
 
@@ -75,6 +77,7 @@ def test_a_budget_no_layout_fits_names_the_smallest_peak():
         autoshard.plan(lambda: build("gpt"), TOKENS, TOKENS, world_size=16, ranks_per_node=4, memory_budget_gb=1e-9)
 
 
+@pytest.mark.slow
 def test_bf16_doubles_the_candidates_and_holds_its_gathers_in_half_the_bytes():
     plan = autoshard.plan(lambda: build("gpt"), TOKENS, TOKENS, world_size=16, ranks_per_node=4, precisions=("fp32", "bf16"))
     assert [o.candidate for o in plan.outcomes] == candidates(16, 4, ("fp32", "bf16"))
@@ -116,6 +119,8 @@ def _train_planned(plans: dict[str, tuple[str, autoshard.Plan]]) -> dict[str, di
     return {name: train_pair(model, functools.partial(autoshard.shard, plan=p)) for name, (model, p) in plans.items()}
 
 
+@pytest.mark.slow
+@pytest.mark.multirank
 def test_a_plan_for_two_nodes_of_two_ranks_trains_like_one_process():
     """The plan made for 4 ranks as 2 nodes x 2 ranks, the same world laid out as hybrid
     sharding over one node (a 2x2 mesh), and a mixed layout (the GPT's first block hybrid,
@@ -143,6 +148,7 @@ def test_a_plan_for_another_world_size_is_refused():
         autoshard.shard(build("gpt"), plan=plan, strategy="replicate")
 
 
+@pytest.mark.slow
 def test_the_console_command_prints_each_candidate_and_writes_the_plan(tmp_path):
     out = tmp_path / "plan.json"
     proc = subprocess.run([sys.executable, "-m", "autoshard", "plan", "examples/train_gpt.py:build_model", "--world-size", "8",
@@ -202,6 +208,7 @@ def _wide_plans() -> tuple[autoshard.Plan, autoshard.Plan]:
                                 reshard_after_forward=True)
 
 
+@pytest.mark.slow
 def test_bounds_skip_layouts_that_cannot_win_without_compiling_them():
     free, _ = _wide_plans()
     assert free.candidate == Candidate("hybrid", (8, 8))

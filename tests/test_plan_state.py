@@ -15,6 +15,8 @@ from autoshard.tools.plan_shares import play
 from autoshard.tools.plan_state import per_rank, with_state
 from autoshard.tools.simulator_mixed import scaled_peak, step_times
 
+pytestmark = pytest.mark.planner
+
 X = torch.randn(2, 256)
 
 

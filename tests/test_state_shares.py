@@ -28,6 +28,8 @@ import trainer
 from models import batch, build
 from trainer import train_pair
 
+pytestmark = pytest.mark.multirank
+
 TOL = 1e-5
 MAX_NORM = 0.05  # below the gradients' norm: clipping is active every step
 SHARES = {2: [3, 1], 4: [3, 3, 1, 1]}
@@ -183,6 +185,7 @@ PARITY = [(2, c) for c in ("full", "gpt", "batch_shares", "accumulation", "grad_
 PARITY += [(4, c) for c in ("full", "gpt", "batch_shares", "accumulation")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world,case", PARITY)
 def test_state_shares_train_like_one_process_on_the_whole_batch(results, world, case):
     for rank in results(world):
@@ -192,6 +195,7 @@ def test_state_shares_train_like_one_process_on_the_whole_batch(results, world, 
             assert found["clip_ratio"] > 1 and found["norm"] <= TOL, (rank["rank"], found)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_each_rank_holds_its_share_of_parameters_gradients_and_optimizer_state(results, world):
     ranks = results(world)
@@ -206,17 +210,20 @@ def test_each_rank_holds_its_share_of_parameters_gradients_and_optimizer_state(r
         assert small[kind] * 2 < large[kind], (kind, stored)  # the small rank really holds less
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_a_meta_model_materializes_its_uneven_rows(results, world):
     for rank in results(world):
         assert rank["materialized"] == 0.0, rank["materialized"]
 
 
+@pytest.mark.slow
 def test_a_state_dict_loads_back_into_the_same_uneven_layout(results):
     for rank in results(2):
         assert rank["state_dict"] == {"changed": True, "back": True}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_checkpoints_move_between_uneven_and_even_shares(results, world):
     for rank in results(world):
@@ -230,6 +237,7 @@ def test_checkpoints_move_between_uneven_and_even_shares(results, world):
     assert [r[1] for r in rows] == {2: [5, 5], 4: [3, 3, 3, 1]}[world]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_bad_state_shares_raise_the_same_typed_error_on_every_rank_and_change_nothing(results, world):
     ranks = results(world)

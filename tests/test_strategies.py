@@ -29,6 +29,8 @@ from gpt import GPT, GPTConfig
 from models import GLOBAL_BATCH, batch, build
 from trainer import BF16, full_optimizer_state, param_error, train_mixed_precision, train_pair
 
+pytestmark = pytest.mark.multirank
+
 WORLD = 4
 TOL = 1e-5
 MAX_NORM = 0.05  # clipped every step: clip_grad_norm_ must see each layout's global norm

@@ -26,6 +26,8 @@ from fake_pg import compile_step, count
 from models import build
 from trainer import BF16, train_mixed_precision, train_pair
 
+pytestmark = pytest.mark.multirank
+
 TOL = 1e-5
 MAX_NORM = 0.05  # well below the gradients' norm, so clipping changes every step
 BF16_COMPUTE = autoshard.MixedPrecision(param_dtype=BF16, reduce_dtype=torch.float32)
