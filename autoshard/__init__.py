@@ -24,10 +24,10 @@ from autoshard.runtime.materialize import materialize, shards_in_place
 from autoshard.runtime.mixed_precision import MixedPrecision
 from autoshard.runtime.shard import is_sharded, shard
 from autoshard.tools import launch
-from autoshard.tools.cluster import Cluster, NodeGroup
 from autoshard.tools.explain import explain, explain_graphs
-from autoshard.tools.plan import Plan, plan
-from autoshard.tools.report import Report, timeline, write_report
+from autoshard.tools.plan.plan import Plan, plan
+from autoshard.tools.report.report import Report, timeline, write_report
+from autoshard.tools.sim.cluster import Cluster, NodeGroup
 
 __all__ = [
     "AutoshardError", "Cluster", "InflightCapError", "MixedPrecision", "NodeGroup", "OverBudgetError", "Plan",

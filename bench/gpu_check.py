@@ -71,7 +71,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 import autoshard  # noqa: E402
 from autoshard._compat import dynamo_counters, fake_process_group, run_and_get_code  # noqa: E402
 from autoshard.compiler.dump import recording  # noqa: E402
-from autoshard.tools.report import Report  # noqa: E402
+from autoshard.tools.report.report import Report  # noqa: E402
 
 from gpt import GPT, GPTConfig  # noqa: E402
 

@@ -30,7 +30,7 @@ from overlap import SHAPES  # noqa: E402
 
 import autoshard  # noqa: E402
 from autoshard import Cluster, NodeGroup  # noqa: E402
-from autoshard.tools.plan_mixed import per_dollar, today, utilisation, variance  # noqa: E402
+from autoshard.tools.plan.mixed_summary import per_dollar, today, utilisation, variance  # noqa: E402
 
 from gpt import GPT, GPTConfig  # noqa: E402
 

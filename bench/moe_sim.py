@@ -35,7 +35,7 @@ from moe_balanced import build  # noqa: E402
 from moe_gpt import MoEConfig  # noqa: E402
 
 import autoshard  # noqa: E402
-from autoshard.tools.report_svg import fmt_bytes, fmt_time  # noqa: E402
+from autoshard.tools.units import fmt_bytes, fmt_time  # noqa: E402
 
 
 @dataclass(frozen=True)

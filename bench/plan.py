@@ -29,14 +29,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from overlap import SHAPES  # noqa: E402
 
 import autoshard  # noqa: E402
-from autoshard.tools.plan import OVER_BUDGET  # noqa: E402
-from autoshard.tools.plan_layouts import Candidate  # noqa: E402
-from autoshard.tools.simulator import kwh_per_million_tokens  # noqa: E402
+from autoshard.tools.plan.layouts import Candidate  # noqa: E402
+from autoshard.tools.plan.plan import OVER_BUDGET  # noqa: E402
+from autoshard.tools.sim.simulator import kwh_per_million_tokens  # noqa: E402
 
 from gpt import GPT, GPTConfig  # noqa: E402
 
 
-def _baselines(plan: autoshard.Plan) -> dict[str, autoshard.tools.plan.Outcome]:
+def _baselines(plan: autoshard.Plan) -> dict[str, autoshard.tools.plan.plan.Outcome]:
     per_node = plan.ranks_per_node
     wanted = {"full": Candidate("full", (plan.world_size,), plan.precision),
               "hsdp": Candidate("hybrid", (plan.world_size // per_node, per_node), plan.precision)}

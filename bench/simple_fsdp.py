@@ -253,7 +253,7 @@ def compare(model_fn, inputs: tuple, world: int, profile: str,
             variants=("simplefsdp", "simplefsdp_auto", "simplefsdp_block")) -> list[dict]:
     """Per system: collectives in its forward and backward graphs, and the simulator's view of them
     (exposed communication, overlap, peak) on ``profile``."""
-    from autoshard.tools.simulator import analyze
+    from autoshard.tools.sim.simulator import analyze
 
     rows = []
     for system in ("autoshard", *variants):

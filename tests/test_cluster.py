@@ -16,9 +16,9 @@ from autoshard import Cluster, NodeGroup
 from autoshard.compiler.cost_model import get_profile
 from autoshard.compiler.profiles import uniform_link
 from autoshard.runtime.errors import UsageError
-from autoshard.tools.plan_mixed import today
-from autoshard.tools.simulator import analyze
-from autoshard.tools.simulator_mixed import step_times
+from autoshard.tools.plan.mixed_summary import today
+from autoshard.tools.sim.mixed_cluster import step_times
+from autoshard.tools.sim.simulator import analyze
 
 from gpt import GPT, GPTConfig
 from models import build

@@ -24,7 +24,7 @@ from autoshard.compiler.cost_model import (
     workspace,
 )
 from autoshard.passes.step_model import peak_bytes
-from autoshard.tools.simulator import analyze, kwh_per_million_tokens
+from autoshard.tools.sim.simulator import analyze, kwh_per_million_tokens
 
 from fake_pg import compile_step, fake_world
 

@@ -24,8 +24,8 @@ sys.path[:0] = [{tests!r}, {examples!r}]
 import torch
 from autoshard.compiler.consistency import plan_signature
 from autoshard.passes.schedule import PLAN
-from autoshard.tools.report import Report
-from autoshard.tools.simulator import analyze
+from autoshard.tools.report.report import Report
+from autoshard.tools.sim.simulator import analyze
 from fake_pg import fake_world, sharded_step, same_tokens
 from gpt import GPT, GPTConfig
 

@@ -7,6 +7,8 @@
 - The pipeline picture in README ("How it works") lists the steps of each list declared in
   ``autoshard/compiler/pipeline.py``, in order, and every stage list written as
   ``{captured,joint,...}`` in README or docs/ is :data:`autoshard.compiler.pipeline.STAGES`.
+- README's layout table names only files and folders that exist, each in its row's folder, and
+  every subpackage (room) of a folder under ``autoshard/``.
 - Every relative link in README.md, CHANGELOG.md and docs/*.md points to an existing file, and a
   ``#fragment`` into a Markdown file to one of its headings.
 
@@ -166,6 +168,45 @@ def stage_list_problems(text: str) -> list[str]:
             for items in stage_lists(text) if tuple(items) != pipeline.STAGES]
 
 
+# (e) the layout table
+
+
+def layout_rows(text: str) -> dict[str, str]:
+    """folder -> its ``what`` cell, from the table whose header is ``| folder | what |``."""
+    lines = _prose(text).splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith("|") and _cells(line)[:2] == ["folder", "what"]:
+            rows = {}
+            for row in lines[i + 2:]:
+                if not row.startswith("|"):
+                    break
+                folder, what = _cells(row)[:2]
+                rows[re.match(r"`([^`]+)`", folder).group(1)] = what
+            return rows
+    return {}
+
+
+def layout_problems(text: str, root: Path = ROOT) -> list[str]:
+    rows = layout_rows(text)
+    if not rows:
+        return ["no table with the header '| folder | what |'"]
+    problems = []
+    for folder, what in rows.items():
+        named = re.findall(r"`([\w./]+(?:\.py|/))`", what)
+        # a name with a slash is under the folder; a bare file may sit in the room named before it
+        rooms = [""]
+        for name in named:
+            if name.endswith("/"):
+                rooms = ["", name]
+            if not any((root / folder / room / name).exists() for room in rooms):
+                problems.append(f"layout table: {folder}{name} does not exist")
+        if folder.startswith("autoshard/"):
+            for sub in sorted(p.name for p in (root / folder).iterdir() if (p / "__init__.py").exists()):
+                if f"`{sub}/`" not in what:
+                    problems.append(f"layout table: the room {folder}{sub}/ is not named in its row")
+    return problems
+
+
 # (d) links
 
 
@@ -229,6 +270,10 @@ def test_stage_lists_are_the_declared_stages():
         assert stage_list_problems(path.read_text()) == [], path
 
 
+def test_layout_table_matches_the_tree():
+    assert layout_problems(README.read_text()) == []
+
+
 def test_relative_links_point_to_existing_files():
     problems = [p for path in MARKDOWN for p in link_problems(path, path.read_text())]
     assert problems == []
@@ -249,6 +294,9 @@ def test_each_check_can_fail():
     assert not pipeline_problems(readme.replace(" → check_ranks_agree", ""))  # one it does not: may be left out
     assert pipeline_problems(readme.replace("merge_shared_parameters → lower_annotations", "lower_annotations → merge_shared_parameters"))
     assert stage_list_problems(readme.replace("{captured,joint,", "{joint,captured,"))
+    # (e) a file the tree lacks, a room left out
+    assert any("sim/nowhere.py" in p for p in layout_problems(readme.replace("`sim/`", "`sim/` `sim/nowhere.py`")))
+    assert any("room" in p for p in layout_problems(readme.replace("`calibrate/`", "calibrate")))
     # (d) a file that is not there, an anchor that is not there
     assert link_problems(README, readme + "\n[gone](docs/no-such-page.md)\n")
     assert link_problems(README, readme + "\n[gone](docs/design.md#no-such-heading)\n")

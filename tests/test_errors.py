@@ -25,8 +25,8 @@ WHERE = (
     "autoshard.MixedPrecision: ",
     "autoshard.Report: ",
     "autoshard.tools.launch.run_ranks: ",
-    "autoshard.tools.simulator.analyze: ",
-    "autoshard.tools.simulator.kwh_per_million_tokens: ",
+    "autoshard.tools.sim.simulator.analyze: ",
+    "autoshard.tools.sim.simulator.kwh_per_million_tokens: ",
     "set_requires_gradient_sync: ",
     "autoshard option '",  # a backend option: "autoshard option 'bucket_mb' must be ..."
     "autoshard backend: ",  # compiling failed, not because of one option (ranks' plans differ, unknown options)

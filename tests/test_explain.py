@@ -20,10 +20,11 @@ import autoshard
 from autoshard.runtime.errors import UsageError
 from autoshard.tools.cli import main
 from autoshard.tools.explain import add_arguments
-from autoshard.tools.liveness import CATEGORIES
-from autoshard.tools.report import STAGES, Report, _fmt_bytes, _fmt_energy, _fmt_time
-from autoshard.tools.report_code import page_code
-from autoshard.tools.simulator import analyze
+from autoshard.tools.report.code import page_code
+from autoshard.tools.report.report import STAGES, Report
+from autoshard.tools.sim.liveness import CATEGORIES
+from autoshard.tools.sim.simulator import analyze
+from autoshard.tools.units import fmt_bytes, fmt_energy, fmt_time
 
 from fake_pg import fake_world, same_tokens, sharded_step
 from models import build
@@ -132,14 +133,14 @@ def test_the_summary_gives_the_energy_per_step_per_rank_and_over_the_world(repor
     m, energy = report.metrics, report.analysis.energy_j
     assert report.world_size == 8 and energy > 0
     assert m["energy_j"] == energy and m["energy_j_all_ranks"] == pytest.approx(8 * energy)
-    assert ("energy per step", f"{_fmt_energy(energy)} per rank, {_fmt_energy(8 * energy)} over 8 ranks") in report.summary_rows()
+    assert ("energy per step", f"{fmt_energy(energy)} per rank, {fmt_energy(8 * energy)} over 8 ranks") in report.summary_rows()
     # Outside a process group the world is unknown: this rank's energy only; without power figures, no row.
     alone = Report(report.stages, "h100")
     assert alone.world_size is None and alone.metrics["energy_j_all_ranks"] is None
-    assert ("energy per step", f"{_fmt_energy(alone.metrics['energy_j'])} per rank") in alone.summary_rows()
+    assert ("energy per step", f"{fmt_energy(alone.metrics['energy_j'])} per rank") in alone.summary_rows()
     cpu = Report(report.stages, "cpu")
     assert cpu.metrics["energy_j"] is None and "energy" not in cpu.summary()
-    assert (_fmt_energy(63.2), _fmt_energy(64_700.0), _fmt_energy(0.5)) == ("63.2 J", "64.7 kJ", "0.5 J")
+    assert (fmt_energy(63.2), fmt_energy(64_700.0), fmt_energy(0.5)) == ("63.2 J", "64.7 kJ", "0.5 J")
 
 
 def test_the_html_page_has_one_item_per_collective_and_the_memory_curve(report, tmp_path):
@@ -160,22 +161,22 @@ def test_the_summary_says_what_is_alive_at_the_peak_and_what_is_exposed(report):
     peak = a.memory_peak
     for category, nbytes in peak.by_category.items():
         if nbytes:
-            assert f"at the peak: {CATEGORIES[category]}" in text and _fmt_bytes(nbytes) in text
-    assert f"{_fmt_bytes(a.peak_bytes)} ({peak.stage}, at {_fmt_time(peak.time)})" in text
+            assert f"at the peak: {CATEGORIES[category]}" in text and fmt_bytes(nbytes) in text
+    assert f"{fmt_bytes(a.peak_bytes)} ({peak.stage}, at {fmt_time(peak.time)})" in text
     assert all(t.node in text for t in peak.largest[:3])
     worst = sorted((e for e in report.collectives() if e.exposed), key=lambda e: -e.exposed)[:3]
     rows = report.summary_rows()
     first = [k for k, _ in rows].index("most exposed collectives")
     assert [k for k, _ in rows[first:first + len(worst)]] == ["most exposed collectives"] + [""] * (len(worst) - 1)
     for (_, value), e in zip(rows[first:], worst):  # worst first
-        assert value.startswith(f"{_fmt_time(e.exposed)} ({100 * e.exposed / a.step_time:.1f}% of step): {e.stage} {e.kind} of ")
+        assert value.startswith(f"{fmt_time(e.exposed)} ({100 * e.exposed / a.step_time:.1f}% of step): {e.stage} {e.kind} of ")
 
 
 def test_the_page_draws_memory_by_category_on_a_labelled_axis_and_shades_exposed_time(report):
     page, a = report.html(), report.analysis
     present = [c for c, curve in a.memory_by_category.items() if any(curve)]
     assert page.count('<polygon class="area m-') == len(present) >= 4
-    unit = _fmt_bytes(a.peak_bytes).split()[1]
+    unit = fmt_bytes(a.peak_bytes).split()[1]
     assert f"live memory per rank ({unit})" in page and f">0 {unit}</text>" in page
     assert page.count('class="exposed"') == len(a.stalls) > 0
     # The bucket table: the most exposed collective first.

@@ -14,7 +14,7 @@ from autoshard.compiler.options import Options
 from autoshard.compiler.pipeline import gloo_memory
 from autoshard.passes.graph_utils import collective_kind, is_exchange, wait_of
 from autoshard.passes.step_model import Storages
-from autoshard.tools.report import STAGES
+from autoshard.tools.report.report import STAGES
 
 from fake_pg import sharded_step
 from pass_graphs import Stack

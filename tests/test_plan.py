@@ -17,8 +17,8 @@ from autoshard.compiler.cost_model import get_profile
 from autoshard.runtime.errors import UsageError
 from autoshard.runtime.layout import ShardLayout
 from autoshard.tools.launch import run_ranks
-from autoshard.tools.plan import OVER_BUDGET, Candidate, candidates
-from autoshard.tools.plan_layouts import Bounds, Params, repeated_blocks
+from autoshard.tools.plan.layouts import Bounds, Params, repeated_blocks
+from autoshard.tools.plan.plan import OVER_BUDGET, Candidate, candidates
 
 from fake_pg import fake_world
 from models import build
@@ -251,7 +251,7 @@ def test_a_plan_naming_a_block_the_model_lacks_is_refused_before_anything_change
 
 
 def test_hybrid_shard_groups_stop_growing_once_a_fitting_one_is_slower():
-    from autoshard.tools.plan import Outcome, _past_the_best_hybrid
+    from autoshard.tools.plan.plan import Outcome, _past_the_best_hybrid
     one, two, four = (Candidate("hybrid", (64 // n, n)) for n in (8, 16, 32))
     fast, slower = Outcome(one, 1.0, 0.1, 100), Outcome(two, 2.0, 0.2, 90)
     assert not _past_the_best_hybrid([fast], limit=1000)
@@ -265,7 +265,7 @@ def test_the_mixed_search_compiles_two_block_counts_at_most_and_keeps_within_the
     100 MiB, under a 160 MiB budget: 20 blocks fit). The state alone (0.5 MiB a block) would
     move all 40: that try misses, the next goes halfway back and fits; then nothing more
     (TRIES compiles), and the same pair is not searched again."""
-    from autoshard.tools.plan import TRIES, Outcome, _mixed, _Search
+    from autoshard.tools.plan.plan import TRIES, Outcome, _mixed, _Search
 
     blocks = tuple(f"blocks.{i}" for i in range(40))
     params = Params(nbytes=40 * 2**20, trainable_nbytes=40 * 2**20, element_size=4.0, blocks={b: (2**20, 2**20) for b in blocks})

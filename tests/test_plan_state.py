@@ -11,9 +11,9 @@ from test_cluster import FAST, SLOW
 
 import autoshard
 from autoshard import Cluster, NodeGroup
-from autoshard.tools.plan_shares import play
-from autoshard.tools.plan_state import per_rank, with_state
-from autoshard.tools.simulator_mixed import scaled_peak, step_times
+from autoshard.tools.plan.shares import play
+from autoshard.tools.plan.state_shares import per_rank, with_state
+from autoshard.tools.sim.mixed_cluster import scaled_peak, step_times
 
 pytestmark = pytest.mark.planner
 

@@ -17,7 +17,7 @@ from autoshard.passes.graph_utils import collective_kind, nbytes
 from autoshard.passes.schedule import PLAN
 from autoshard.passes.schedule_config import ScheduleConfig
 from autoshard.runtime.errors import AutoshardError, InflightCapError, OverBudgetError, UsageError, over_budget_in
-from autoshard.tools import plan as plan_module
+from autoshard.tools.plan import plan as plan_module
 
 from pass_graphs import Stack, bucketed, matmuls_take_one, stage
 
@@ -83,7 +83,7 @@ def test_the_planner_catches_only_the_does_not_fit_types():
 
 
 def test_over_budget_is_read_by_type_through_dynamos_wrapper():
-    """over_budget_in (tools/plan.py, bench/real.py) finds the schedule's OverBudgetError inside the errors wrapping it, by
+    """over_budget_in (tools/plan/plan.py, bench/real.py) finds the schedule's OverBudgetError inside the errors wrapping it, by
     type: a ValueError with the same words is not one."""
     inner = OverBudgetError("autoshard option 'memory_budget_gb': 1.000 GiB is below ...", smallest_bytes=123)
     wrapper = RuntimeError("backend failed")

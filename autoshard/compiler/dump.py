@@ -63,7 +63,7 @@ class GraphDump:
 
     def write_report(self, profile: str | DeviceProfile) -> None:
         """With a debug_dir: hand the stages written so far to every :data:`REPORT_WRITERS`
-        entry (``autoshard/__init__.py`` registers :func:`autoshard.tools.report.write_report`:
+        entry (``autoshard/__init__.py`` registers :func:`autoshard.tools.report.report.write_report`:
         ``report.html``, ``trace.json`` and ``summary.txt``). A report that fails only warns: it must not stop the compile it
         describes."""
         if self.folder is None:

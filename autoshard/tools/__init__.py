@@ -1,4 +1,11 @@
-"""What people run around training: ``explain`` (the pipeline on fake ranks), the report, the
-step simulator, calibration of a device profile, the multi-rank launcher and the CLI.
+"""What people run around training, one room per idea:
+
+- ``sim/``: the step simulator (a step played on the cost model, its memory, mixed clusters);
+- ``report/``: what the backend did, for people (summary, HTML page, trace);
+- ``plan/``: ``autoshard.plan``, the layout search and its rules;
+- ``calibrate/``: measuring a machine and fitting a device profile to it;
+- ``explain.py`` (the pipeline on fake ranks, feeding the report and the planner),
+  ``launch.py`` (``run_ranks``), ``cli.py`` (the ``autoshard`` command), ``units.py``
+  (bytes and times as printed).
 
 Depends on everything below; nothing in ``runtime``, ``passes`` or ``compiler`` imports it."""

@@ -11,11 +11,11 @@ from __future__ import annotations
 import argparse
 from typing import Sequence
 
-from autoshard.tools import calibrate
+from autoshard.tools.calibrate import measure as calibrate
 from autoshard.tools.explain import add_arguments as explain_arguments  # autoshard.explain is the function
 from autoshard.tools.explain import run as run_explain
-from autoshard.tools.plan import add_arguments as plan_arguments  # autoshard.plan is the function
-from autoshard.tools.plan import run as run_plan
+from autoshard.tools.plan.plan import add_arguments as plan_arguments  # autoshard.plan is the function
+from autoshard.tools.plan.plan import run as run_plan
 
 
 def main(argv: Sequence[str] | None = None) -> int:

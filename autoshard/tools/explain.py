@@ -1,5 +1,5 @@
 """``autoshard.explain``: run the whole pipeline on one process, without a cluster or memory
-for weights, and report what the backend did (:class:`autoshard.tools.report.Report`).
+for weights, and report what the backend did (:class:`autoshard.tools.report.report.Report`).
 
     report = autoshard.explain(build_model, tokens, tokens, world_size=64)
     print(report.summary()); report.save_html("gpt.html")
@@ -28,9 +28,9 @@ from autoshard.compiler.dump import recording
 from autoshard.compiler.options import SCHEDULES, parse_options
 from autoshard.runtime.errors import UsageError
 from autoshard.runtime.shard import is_sharded, shard
-from autoshard.tools.cluster import Cluster
-from autoshard.tools.plan_shares import play
-from autoshard.tools.report import Report
+from autoshard.tools.plan.shares import play
+from autoshard.tools.report.report import Report
+from autoshard.tools.sim.cluster import Cluster
 
 ModelOrFactory = nn.Module | Callable[[], nn.Module]
 
@@ -56,7 +56,7 @@ def explain(
             backend's default for the inputs' device ("cpu" for CPU tensors).
         stages: the stages the report keeps (e.g. ``("captured", "forward", "backward")``, all
             its metrics need); None: every stage (copying one of a large graph takes seconds).
-        cluster: a mixed :class:`~autoshard.tools.cluster.Cluster`: compiled at its size on its
+        cluster: a mixed :class:`~autoshard.tools.sim.cluster.Cluster`: compiled at its size on its
             slowest profile (they replace ``world_size`` and ``profile``), then played with every
             rank type on its own profile and planned batch share (:attr:`Report.mixed`, in the summary).
         options: any other backend option (``schedule``, ``bucket_mb``, ...); ``compiler``

@@ -9,7 +9,7 @@ tries k = 2, 4, 8, ... on the fastest fitting layout with all-reduces, each comp
 as any candidate, while the mixed step improves.
 
 Today's plan (every rank as the slowest, even shares) never gets these candidates:
-``plan_mixed.today`` leaves them out, so the comparison is with the plan made as today.
+``mixed_summary.today`` leaves them out, so the comparison is with the plan made as today.
 """
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ taken under the contention training sees:
   (gathered output / pre-reduce input / buffer); a barrier before each timed call, median over
   repeats, max over ranks (a collective ends when its slowest rank does).
 
-How it is fitted: see :mod:`autoshard.tools.calibrate_fit` (:func:`fit`, :func:`fit_report`),
+How it is fitted: see :mod:`autoshard.tools.calibrate.fit` (:func:`fit`, :func:`fit_report`),
 whose names this module re-exports.
 """
 from __future__ import annotations
@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from autoshard._compat import all_gather_single, c10d
 from autoshard.compiler.cost_model import COLLECTIVE_KINDS, DeviceProfile
-from autoshard.tools.calibrate_fit import Measurements, Sample, fit, fit_errors, fit_report
+from autoshard.tools.calibrate.fit import Measurements, Sample, fit, fit_errors, fit_report
 from autoshard.tools.launch import run_ranks
 
 __all__ = ["Measurements", "Sample", "add_arguments", "calibrate", "compute_figures", "fit", "fit_errors", "fit_report",

@@ -1,5 +1,5 @@
 """Fitting a :class:`~autoshard.compiler.cost_model.DeviceProfile` to what
-:mod:`autoshard.tools.calibrate` measured, and reporting how well it fits; no measuring here,
+:mod:`autoshard.tools.calibrate.measure` measured, and reporting how well it fits; no measuring here,
 so this half runs (and is tested) on synthetic samples alone.
 
 How it is fitted: per collective kind, one latency (per ring step) and one bus bandwidth, by
@@ -45,7 +45,7 @@ class Sample:
 
 @dataclass(frozen=True)
 class Measurements:
-    """What :func:`autoshard.tools.calibrate.measure` found; :func:`fit` turns it into a profile."""
+    """What :func:`autoshard.tools.calibrate.measure.measure` found; :func:`fit` turns it into a profile."""
 
     peak_flops: dict[str, float]  # FLOP/s per dtype name
     mem_bandwidth: float  # bytes/s

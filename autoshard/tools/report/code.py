@@ -1,6 +1,6 @@
 """Stage code as the report page shows it: compact (no strides, devices or frees after last
 use) and with repeated blocks folded, so a 12-layer model's code is about two layers long.
-:meth:`autoshard.tools.report.Report.code` and debug_dir keep every line."""
+:meth:`autoshard.tools.report.report.Report.code` and debug_dir keep every line."""
 from __future__ import annotations
 
 import re
@@ -8,7 +8,7 @@ import re
 from torch import fx
 
 from autoshard.passes.graph_utils import block_of
-from autoshard.tools.liveness import module_path
+from autoshard.tools.sim.liveness import module_path
 
 MAX_CODE_CHARS = 500_000  # per stage in the page, after folding; an 8B model's joint graph is tens of MB
 

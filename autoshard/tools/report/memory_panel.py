@@ -1,11 +1,12 @@
 """The report page's memory panel: live bytes of one rank over the simulated step as a stacked
-area by what they hold (:data:`autoshard.tools.liveness.CATEGORIES`) on a labelled axis, the
+area by what they hold (:data:`autoshard.tools.sim.liveness.CATEGORIES`) on a labelled axis, the
 peak and the lower bound marked; and the tables of what is alive at the peak."""
 from __future__ import annotations
 
-from autoshard.tools.liveness import CATEGORIES
-from autoshard.tools.report_svg import Layout, byte_unit, esc, fmt_bytes, fmt_time, peak_positions, ticks
-from autoshard.tools.report_view import ReportView
+from autoshard.tools.report.svg import Layout, esc, peak_positions, ticks
+from autoshard.tools.report.view import ReportView
+from autoshard.tools.sim.liveness import CATEGORIES
+from autoshard.tools.units import byte_unit, fmt_bytes, fmt_time
 
 COLORS = {
     "shards": "#9c755f",

@@ -1,5 +1,5 @@
-"""What a report's pages read of a :class:`autoshard.tools.report.Report`: the shared piece
-report.py, report_html.py and report_memory.py import, so that none of the page modules
+"""What a report's pages read of a :class:`autoshard.tools.report.report.Report`: the shared piece
+report.py, page.py and memory_panel.py import, so that none of the page modules
 imports report.py (which imports them): no import circle."""
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from typing import Protocol
 from torch import fx
 
 from autoshard.compiler.cost_model import DeviceProfile
-from autoshard.tools.report_passes import PassSummary
-from autoshard.tools.simulator import Event, StepAnalysis
+from autoshard.tools.report.pass_changes import PassSummary
+from autoshard.tools.sim.simulator import Event, StepAnalysis
 
 
 @dataclass(frozen=True)

@@ -11,12 +11,12 @@ import torch
 
 from autoshard.runtime.layout import ShardLayout
 from autoshard.runtime.mixed_precision import MixedPrecision
-from autoshard.tools.cluster import Cluster
-from autoshard.tools.plan_layouts import Candidate
-from autoshard.tools.plan_mixed import mixed_summary
-from autoshard.tools.report_svg import fmt_bytes, fmt_energy, fmt_time
-from autoshard.tools.simulator import kwh_per_million_tokens
-from autoshard.tools.simulator_mixed import TypeStep
+from autoshard.tools.plan.layouts import Candidate
+from autoshard.tools.plan.mixed_summary import mixed_summary
+from autoshard.tools.sim.cluster import Cluster
+from autoshard.tools.sim.mixed_cluster import TypeStep
+from autoshard.tools.sim.simulator import kwh_per_million_tokens
+from autoshard.tools.units import fmt_bytes, fmt_energy, fmt_time
 
 
 @dataclass(frozen=True)

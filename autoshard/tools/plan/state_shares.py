@@ -7,11 +7,11 @@ even): its sharded parameters, gradients and optimizer state scale by ``s``. Its
 parameters and collective buffers scale by the widest factor ``max(s)``: gloo and NCCL have
 no all-gather-v, so every shard is padded to the widest share and a gather moves
 ``world_size * max(rows)`` rows. The same factor prices the collectives' time
-(:func:`autoshard.tools.simulator_mixed.step_times`'s ``comm_factor``).
+(:func:`autoshard.tools.sim.mixed_cluster.step_times`'s ``comm_factor``).
 """
 from __future__ import annotations
 
-from autoshard.tools.simulator_mixed import scaled_peak
+from autoshard.tools.sim.mixed_cluster import scaled_peak
 
 STATE = ("shards", "gradients")  # memory categories a rank's state share scales
 PADDED = ("gathered", "comm_buffers")  # memory categories the widest share scales (padding)
@@ -48,7 +48,7 @@ def memory_factors(memory_by_category: dict[str, list[int]], extra: float, limit
     """Each rank type's state factor (``sum(counts * factors) == world``): proportional to its
     memory limit, each capped at what its memory holds (:func:`most_state`), the padding to the
     widest share refined a few times; None where a type has no limit or the caps hold less.
-    ``capped``: autoshard.tools.plan_shares' proportional split under caps."""
+    ``capped``: autoshard.tools.plan.shares' proportional split under caps."""
     if any(limit is None for limit in limits):
         return None
     widest, factors = 1.0, None

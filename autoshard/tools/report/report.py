@@ -1,5 +1,5 @@
 """What the backend did to one compiled graph: its stages as code, what each pass changed, and
-one simulated training step (:mod:`autoshard.tools.simulator`) as a table, an HTML page and a Chrome
+one simulated training step (:mod:`autoshard.tools.sim.simulator`) as a table, an HTML page and a Chrome
 trace.
 
 A :class:`Report` is built from the stage copies that :func:`autoshard.compiler.dump.recording` collects
@@ -22,16 +22,14 @@ from autoshard.compiler.pipeline import STAGES
 from autoshard.passes.graph_utils import parameter_reads
 from autoshard.passes.schedule import PLAN
 from autoshard.runtime.ops import UNSHARD
-from autoshard.tools.liveness import CATEGORIES, parameters_label
-from autoshard.tools.report_code import node_block
-from autoshard.tools.report_html import render_html
-from autoshard.tools.report_passes import PassSummary, op_label, summarize_pass
-from autoshard.tools.report_svg import downsample, peak_positions
-from autoshard.tools.report_svg import fmt_bytes as _fmt_bytes
-from autoshard.tools.report_svg import fmt_energy as _fmt_energy
-from autoshard.tools.report_svg import fmt_time as _fmt_time
-from autoshard.tools.report_view import ComputeGroup
-from autoshard.tools.simulator import EVENT_KINDS, Event, StepAnalysis, analyze
+from autoshard.tools.report.code import node_block
+from autoshard.tools.report.page import render_html
+from autoshard.tools.report.pass_changes import PassSummary, op_label, summarize_pass
+from autoshard.tools.report.svg import downsample, peak_positions
+from autoshard.tools.report.view import ComputeGroup
+from autoshard.tools.sim.liveness import CATEGORIES, parameters_label
+from autoshard.tools.sim.simulator import EVENT_KINDS, Event, StepAnalysis, analyze
+from autoshard.tools.units import fmt_bytes, fmt_energy, fmt_time
 
 __all__ = ["STAGES", "ComputeGroup", "PassSummary", "Report", "op_label", "summarize_pass"]
 
@@ -40,7 +38,7 @@ class Report:
     """Stages, pass summaries and the simulated step of one compiled graph (one rank).
 
     ``stages``: stage name -> graph, in :data:`STAGES` order (copies; never modified).
-    ``analysis``: :func:`autoshard.tools.simulator.analyze` of the final forward and backward (no
+    ``analysis``: :func:`autoshard.tools.sim.simulator.analyze` of the final forward and backward (no
     backward for an inference graph) on ``profile``; ``metrics`` and every table, page and
     trace are read from it, never recomputed. Build it while the process group the graph
     was compiled on is still initialised: collectives are priced by their group's ranks, and
@@ -65,7 +63,7 @@ class Report:
             for n in self.stages[s].graph.nodes if (c := collective_of(n)) is not None}
         self.passes = self._passes()
         self.metrics = self._metrics()
-        self.mixed: Any = None  # explain(cluster=...): the step on a mixed cluster (plan_shares.MixedStep)
+        self.mixed: Any = None  # explain(cluster=...): the step on a mixed cluster (plan.shares.MixedStep)
 
     # -- content ---------------------------------------------------------------------------
 
@@ -169,24 +167,24 @@ class Report:
         return [
             ("parameters", f"{m['parameters']:,}" if m["parameters"] is not None else "unknown"),
             ("shards (this rank)", f"{m['sharded_tensors']} tensors, "
-                f"{_fmt_bytes(m['shard_bytes'])}" if m["shard_bytes"] is not None else "unknown"),
+                f"{fmt_bytes(m['shard_bytes'])}" if m["shard_bytes"] is not None else "unknown"),
             ("buckets (collectives)", f"forward {m['forward_buckets']}, backward {m['backward_buckets']}"),
             ("collectives per step", f"{sum(m['collectives'].values())} ({by_kind(m['collectives'], str)})"),
-            ("bytes per step", f"{_fmt_bytes(sum(m['comm_bytes'].values()))} ({by_kind(m['comm_bytes'], _fmt_bytes)})"),
-            ("step time (predicted)", _fmt_time(a.step_time)),
-            ("compute time", _fmt_time(a.compute_time)),
-            ("communication time", _fmt_time(a.comm_time)),
-            ("exposed communication", f"{_fmt_time(a.exposed_comm)} ({100 * a.exposed_comm / step:.1f}% of step)"),
+            ("bytes per step", f"{fmt_bytes(sum(m['comm_bytes'].values()))} ({by_kind(m['comm_bytes'], fmt_bytes)})"),
+            ("step time (predicted)", fmt_time(a.step_time)),
+            ("compute time", fmt_time(a.compute_time)),
+            ("communication time", fmt_time(a.comm_time)),
+            ("exposed communication", f"{fmt_time(a.exposed_comm)} ({100 * a.exposed_comm / step:.1f}% of step)"),
             *self._exposed_rows(),
             ("overlap ratio", f"{a.overlap_ratio:.3f}"),
             *self._energy_rows(),
-            ("peak memory per rank", _fmt_bytes(a.peak_bytes) + (f" ({p.stage}, at {_fmt_time(p.time)})" if (p := a.memory_peak) else "")),
+            ("peak memory per rank", fmt_bytes(a.peak_bytes) + (f" ({p.stage}, at {fmt_time(p.time)})" if (p := a.memory_peak) else "")),
             *self._peak_rows(),
             *self._budget_rows(),
-            ("peak gathered parameters", _fmt_bytes(a.peak_gathered_bytes)),
+            ("peak gathered parameters", fmt_bytes(a.peak_gathered_bytes)),
             ("bytes per parameter (GB per billion)", f"{m['bytes_per_parameter']:.3g}" if m["bytes_per_parameter"] else "unknown"),
-            ("step lower bound", f"{_fmt_time(a.step_lower_bound)} (gap {100 * m['step_gap']:.1f}%)"),
-            ("memory lower bound", f"{_fmt_bytes(a.memory_lower_bound)} (gap {100 * m['memory_gap']:.1f}%)"),
+            ("step lower bound", f"{fmt_time(a.step_lower_bound)} (gap {100 * m['step_gap']:.1f}%)"),
+            ("memory lower bound", f"{fmt_bytes(a.memory_lower_bound)} (gap {100 * m['memory_gap']:.1f}%)"),
             *self._mixed_rows(),
         ]
 
@@ -198,10 +196,10 @@ class Report:
         step, world = self.mixed.step_time or 1.0, sum(t.ranks for t in self.mixed.types)
         util = [t.busy / step for t in self.mixed.types]
         mean = sum(util) / len(util)
-        rows = [("mixed cluster: step (planned shares)", _fmt_time(self.mixed.step_time))]
+        rows = [("mixed cluster: step (planned shares)", fmt_time(self.mixed.step_time))]
         rows += [(f"  {t.name} ({t.ranks} ranks)", f"share {t.share:.3%} per rank ({t.share * world:.2f}x even), busy "
-                  f"{_fmt_time(t.busy)}, waiting {_fmt_time(t.wait)}, utilisation {u:.1%}, peak {_fmt_bytes(t.peak_bytes)}"
-                  + ("" if t.limit_bytes is None else f" of {_fmt_bytes(t.limit_bytes)}")) for t, u in zip(self.mixed.types, util)]
+                  f"{fmt_time(t.busy)}, waiting {fmt_time(t.wait)}, utilisation {u:.1%}, peak {fmt_bytes(t.peak_bytes)}"
+                  + ("" if t.limit_bytes is None else f" of {fmt_bytes(t.limit_bytes)}")) for t, u in zip(self.mixed.types, util)]
         return rows + [("utilisation variance across rank types", f"{sum((u - mean) ** 2 for u in util) / len(util):.4f}")]
 
     def _energy_rows(self) -> list[tuple[str, str]]:
@@ -209,14 +207,14 @@ class Report:
         m = self.metrics
         if m["energy_j"] is None:
             return []
-        over = f", {_fmt_energy(m['energy_j_all_ranks'])} over {self.world_size} ranks" if m["energy_j_all_ranks"] is not None else ""
-        return [("energy per step", f"{_fmt_energy(m['energy_j'])} per rank{over}")]
+        over = f", {fmt_energy(m['energy_j_all_ranks'])} over {self.world_size} ranks" if m["energy_j_all_ranks"] is not None else ""
+        return [("energy per step", f"{fmt_energy(m['energy_j'])} per rank{over}")]
 
     def _exposed_rows(self, top: int = 3) -> list[tuple[str, str]]:
         """The collectives that added the most step time, worst first."""
         step = self.analysis.step_time or 1.0
         worst = sorted((e for e in self.collectives() if e.exposed > 0), key=lambda e: -e.exposed)[:top]
-        return [("most exposed collectives" if i == 0 else "", f"{_fmt_time(e.exposed)} ({100 * e.exposed / step:.1f}% of step): "
+        return [("most exposed collectives" if i == 0 else "", f"{fmt_time(e.exposed)} ({100 * e.exposed / step:.1f}% of step): "
                  f"{e.stage} {e.kind} of {parameters_label(e.params) if e.params else e.name}") for i, e in enumerate(worst)]
 
     def _peak_rows(self, top: int = 3) -> list[tuple[str, str]]:
@@ -225,9 +223,9 @@ class Report:
         peak, total = self.analysis.memory_peak, self.analysis.peak_bytes or 1
         if peak is None:
             return []
-        rows = [(f"at the peak: {CATEGORIES[c]}", f"{_fmt_bytes(b)} ({100 * b / total:.1f}%)")
+        rows = [(f"at the peak: {CATEGORIES[c]}", f"{fmt_bytes(b)} ({100 * b / total:.1f}%)")
                 for c, b in sorted(peak.by_category.items(), key=lambda kv: -kv[1]) if b]
-        rows += [("at the peak: largest" if i == 0 else "", f"{_fmt_bytes(t.nbytes)} {CATEGORIES[t.category]}"
+        rows += [("at the peak: largest" if i == 0 else "", f"{fmt_bytes(t.nbytes)} {CATEGORIES[t.category]}"
                   f"{': ' + t.owner if t.owner else ''} ({t.stage} {t.node})") for i, t in enumerate(peak.largest[:top])]
         return rows
 
@@ -240,9 +238,9 @@ class Report:
             if plan is None or plan.budget_bytes is None:
                 continue
             forced = "; ".join(plan.forced) if plan.forced else "nothing"
-            rows.append((f"memory plan ({side})", f"budget {_fmt_bytes(plan.budget_bytes)}, predicted peak "
-                         f"{_fmt_bytes(plan.peak_bytes)} with optimizer state, smallest that fits "
-                         f"{_fmt_bytes(plan.smallest_bytes or 0)}; the budget changed: {forced}"))
+            rows.append((f"memory plan ({side})", f"budget {fmt_bytes(plan.budget_bytes)}, predicted peak "
+                         f"{fmt_bytes(plan.peak_bytes)} with optimizer state, smallest that fits "
+                         f"{fmt_bytes(plan.smallest_bytes or 0)}; the budget changed: {forced}"))
         return rows
 
     def summary(self) -> str:

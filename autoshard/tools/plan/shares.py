@@ -3,8 +3,8 @@ compiled layout: each type's share starts proportional to its speed (the inverse
 simulated compute at an even share), is capped where a type's memory would not hold more
 (only the batch-sized part of its memory moves with its share; where even state shards do not
 fit a type at all and the layout can cut them, every type holds a state share proportional to
-its memory, :mod:`autoshard.tools.plan_state`), and
-is then refined on the mixed-cluster simulator (:mod:`autoshard.tools.simulator_mixed`): a few
+its memory, :mod:`autoshard.tools.plan.state_shares`), and
+is then refined on the mixed-cluster simulator (:mod:`autoshard.tools.sim.mixed_cluster`): a few
 rounds that move samples towards the types that finished their compute early, keeping the
 split with the shortest simulated step.
 """
@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autoshard.tools.cluster import Cluster
-from autoshard.tools.plan_state import memory_factors, with_state
-from autoshard.tools.report import Report
-from autoshard.tools.simulator_mixed import TypeStep, most_factor, scaled_peak, step_times
+from autoshard.tools.plan.state_shares import memory_factors, with_state
+from autoshard.tools.report.report import Report
+from autoshard.tools.sim.cluster import Cluster
+from autoshard.tools.sim.mixed_cluster import TypeStep, most_factor, scaled_peak, step_times
 
 ROUNDS = 6  # refinements on the simulator after the proportional split
 

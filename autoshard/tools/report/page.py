@@ -1,12 +1,13 @@
 """The report's HTML page: one self-contained file (inline SVG and CSS, no script, nothing
-fetched) drawn from a :class:`autoshard.tools.report.Report`."""
+fetched) drawn from a :class:`autoshard.tools.report.report.Report`."""
 from __future__ import annotations
 
-from autoshard.tools.liveness import parameters_label
-from autoshard.tools.report_code import page_code
-from autoshard.tools.report_memory import MEMORY_CSS, memory_panel, peak_tables
-from autoshard.tools.report_svg import Layout, esc, fmt_bytes, fmt_time, ticks
-from autoshard.tools.report_view import ReportView
+from autoshard.tools.report.code import page_code
+from autoshard.tools.report.memory_panel import MEMORY_CSS, memory_panel, peak_tables
+from autoshard.tools.report.svg import Layout, esc, ticks
+from autoshard.tools.report.view import ReportView
+from autoshard.tools.sim.liveness import parameters_label
+from autoshard.tools.units import fmt_bytes, fmt_time
 
 PAGE_STAGES = ("forward", "backward")  # whose code the page carries: what runs; the rest are named
 
@@ -113,7 +114,7 @@ def _stages(r: ReportView, files: frozenset[str]) -> str:
 
 
 def render_html(r: ReportView, stage_files: frozenset[str] = frozenset()) -> str:
-    """The page of :meth:`autoshard.tools.report.Report.html`: summary, timeline with the
+    """The page of :meth:`autoshard.tools.report.report.Report.html`: summary, timeline with the
     memory panel, what is alive at the peak, buckets by exposed time, passes and the final
     stages' code. ``stage_files``: stages written as ``<stage>.py`` next to the page."""
     rows = "".join(f"<tr><td>{esc(k)}</td><td>{esc(v)}</td></tr>" for k, v in r.summary_rows())

@@ -8,14 +8,14 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from autoshard.tools.report_svg import fmt_bytes, fmt_time
+from autoshard.tools.units import fmt_bytes, fmt_time
 
 
 def today(plan: Any) -> Any:
     """The outcome today's planner picks for the cluster taken as all of its slowest type: the
     fastest at even shares under the smallest memory (ties: smaller peak, then candidate order),
     of the candidates today's planner compiles (one all-reduce per block: merged ones are the
-    mixed cluster's own trial, :mod:`autoshard.tools.plan_all_reduce`)."""
+    mixed cluster's own trial, :mod:`autoshard.tools.plan.all_reduce`)."""
     limit = math.inf if plan.memory_budget_gb is None else plan.memory_budget_gb * 2**30
     fitting = [(o.step_time, o.peak_bytes, i, o) for i, o in enumerate(plan.outcomes)
                if o.error is None and o.peak_bytes <= limit and o.candidate.all_reduce_blocks == 1]

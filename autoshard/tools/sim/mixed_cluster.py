@@ -1,4 +1,4 @@
-"""One training step on a mixed cluster (:class:`autoshard.tools.cluster.Cluster`): every rank
+"""One training step on a mixed cluster (:class:`autoshard.tools.sim.cluster.Cluster`): every rank
 type (node group) plays the same forward and backward graphs on its own profile and with its
 own share of the global batch, all types side by side.
 
@@ -20,8 +20,8 @@ from torch import fx
 
 from autoshard.compiler.cost_model import collective_of, collective_time, node_time, schedule_config
 from autoshard.passes.graph_utils import is_wait
-from autoshard.tools.cluster import Cluster
-from autoshard.tools.liveness import issuer, saved_sources
+from autoshard.tools.sim.cluster import Cluster
+from autoshard.tools.sim.liveness import issuer, saved_sources
 
 SCALED = ("inputs", "activations", "temporaries")  # memory categories that grow with a rank's batch
 

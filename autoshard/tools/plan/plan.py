@@ -4,7 +4,7 @@ Each candidate layout of the world (full shard, ZeRO-2, replicate, and hybrid sh
 shard group of 1, 2, 4, ... nodes; for a mixture-of-experts model, the 1-D ones also with the
 experts split over every rank, ``experts="parallel"``) is compiled for one training step as ``autoshard.explain``
 compiles it, with the memory budget's schedule decisions inside, and played on the cost
-model; a layout whose lower bounds (:mod:`autoshard.tools.plan_layouts`: its collectives
+model; a layout whose lower bounds (:mod:`autoshard.tools.plan.layouts`: its collectives
 alone, its shards, gradients and optimizer state alone) already lose is not compiled. Where
 the fastest layout does not fit the budget, the fastest that does is tried with as many of
 the model's repeated blocks laid out as the faster one as the budget holds (a mixed layout:
@@ -41,13 +41,13 @@ from autoshard.compiler.cost_model import get_profile
 from autoshard.compiler.options import parse_options
 from autoshard.runtime.errors import OverBudgetError, UsageError, over_budget_in
 from autoshard.runtime.shard import is_sharded, shard
-from autoshard.tools.cluster import Cluster
 from autoshard.tools.explain import add_input_arguments, explain, input_maker, load_factory
-from autoshard.tools.plan_all_reduce import merge_all_reduces
-from autoshard.tools.plan_layouts import PRECISIONS, Bounds, Candidate, Params, candidates
-from autoshard.tools.plan_result import Outcome, Plan, _limit_bytes, _mixed_precision
-from autoshard.tools.plan_shares import play
-from autoshard.tools.report_svg import fmt_bytes, fmt_time
+from autoshard.tools.plan.all_reduce import merge_all_reduces
+from autoshard.tools.plan.layouts import PRECISIONS, Bounds, Candidate, Params, candidates
+from autoshard.tools.plan.result import Outcome, Plan, _limit_bytes, _mixed_precision
+from autoshard.tools.plan.shares import play
+from autoshard.tools.sim.cluster import Cluster
+from autoshard.tools.units import fmt_bytes, fmt_time
 
 
 def _sharding(factory: Callable[[], nn.Module], c: Candidate) -> Callable[[], nn.Module]:
@@ -210,24 +210,24 @@ def plan(
     gather and compute in. ``progress(line)`` gets a line per candidate.
 
     Whole-model layouts first (full shard and hybrid over one node always compiled, the others
-    only where the lower bounds of :mod:`autoshard.tools.plan_layouts` leave them a chance),
+    only where the lower bounds of :mod:`autoshard.tools.plan.layouts` leave them a chance),
     then, where the fastest does not fit the budget, the fastest that fits with as many of
     the model's repeated blocks as fit laid out as the faster one.
     OverBudgetError (a ValueError) when no candidate fits, naming the smallest peak one has.
 
     ``cluster`` (instead of ``world_size``, ``ranks_per_node`` and ``profile``): a
-    :class:`~autoshard.tools.cluster.Cluster`. A homogeneous one gives exactly the plan of its
+    :class:`~autoshard.tools.sim.cluster.Cluster`. A homogeneous one gives exactly the plan of its
     profile and size (``memory_budget_gb``: its memory, where given). A mixed one: the
     candidates are compiled and searched as today's plan for the cluster taken as all of its
     slowest type (every rank as slow and as small as the slowest); each compiled one is then
-    played on the mixed cluster with the batch shares :mod:`autoshard.tools.plan_shares`
+    played on the mixed cluster with the batch shares :mod:`autoshard.tools.plan.shares`
     chooses, and the plan is the fastest there whose every type fits its own memory
     (:attr:`Plan.batch_shares`: each rank's fraction of the global batch), and where even
     state shards do not fit a type's memory, state shares by memory (:attr:`Plan.state_shares`,
-    :mod:`autoshard.tools.plan_state`)."""
+    :mod:`autoshard.tools.plan.state_shares`)."""
     if cluster is not None:
         if not isinstance(cluster, Cluster):
-            raise UsageError(f"autoshard.plan: cluster must be an autoshard.tools.cluster.Cluster, got {type(cluster).__name__}.")
+            raise UsageError(f"autoshard.plan: cluster must be an autoshard.tools.sim.cluster.Cluster, got {type(cluster).__name__}.")
         given = [name for name, v in (("world_size", world_size), ("ranks_per_node", ranks_per_node), ("profile", profile))
                  if v is not None]
         if given:
