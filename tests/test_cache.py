@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 
+pytestmark = pytest.mark.inductor
+
 ROOT = Path(__file__).resolve().parents[1]
 WIDTH = dict(n_embd=32, n_head=2, block_size=16, vocab_size=64)
 # Set, they force the caches on or off whatever the config says; conftest.py turns them off
@@ -51,9 +53,10 @@ def _child(options: dict, world: int, save: str | None, load: str | None) -> dic
         compiled(idx, idx).backward()  # the fake group's collectives move no data: its values are not compared
     finally:
         dist.destroy_process_group()
+    counts = cache_counts()  # before saving: what this compile hit and missed, nothing else
     if save:
         Path(save).write_bytes(torch.compiler.save_cache_artifacts()[0])
-    return {"counts": cache_counts(), "keys": keys}
+    return {"counts": counts, "keys": keys}
 
 
 def _run(cache: Path, options: dict | None = None, world: int = 2, save: Path | None = None,
@@ -68,35 +71,42 @@ def _run(cache: Path, options: dict | None = None, world: int = 2, save: Path | 
 
 
 @pytest.fixture(scope="module")
-def cold_then_warm(tmp_path_factory) -> tuple[Path, dict, dict]:
+def cold_then_warm(tmp_path_factory) -> tuple[Path, dict, dict, Path]:
+    """A cold compile, which also saves its cache artifacts, then a warm one in its cache
+    directory: (that directory, cold, warm, the artifacts file). Each compile is a process of
+    tens of seconds, so the tests below share these two."""
     cache = tmp_path_factory.mktemp("inductor_cache")
-    return cache, _run(cache), _run(cache)
+    artifacts = tmp_path_factory.mktemp("artifacts") / "artifacts.bin"
+    cold = _run(cache, save=artifacts)
+    return cache, cold, _run(cache), artifacts
 
 
+@pytest.mark.slow
 def test_a_second_process_hits_both_caches_with_the_same_key(cold_then_warm):
     """What the hit computes, against a miss, is checked on real ranks
     (test_ranks_whose_compile_hits_run_with_ranks_whose_compile_misses): here the process
     group is fake, and its reductions leave their outputs unwritten."""
-    _, cold, warm = cold_then_warm
+    _, cold, warm, _ = cold_then_warm
     assert cold["counts"]["autograd_hit"] == 0 and cold["counts"]["autograd_miss"] == 1
     assert warm["counts"]["autograd_hit"] == 1 and warm["counts"]["autograd_miss"] == 0
     assert warm["counts"]["fxgraph_hit"] >= 1 and warm["counts"]["fxgraph_miss"] == 0
     assert warm["keys"] == cold["keys"]  # autoshard's key: no process-order state in it
 
 
+@pytest.mark.slow
 def test_an_option_that_changes_the_plan_misses(cold_then_warm):
     """End to end for one option (a compile each); that options, the budget, the profile and
     the world size each change autoshard's key is test_the_key_changes_with_what_changes_the_plan."""
-    cache, cold, _ = cold_then_warm
+    cache, cold, _, _ = cold_then_warm
     changed = _run(cache, options={"bucket_mb": 1.0})
     assert changed["counts"]["autograd_hit"] == 0 and changed["counts"]["autograd_miss"] == 1
     assert changed["keys"] != cold["keys"]
 
 
-def test_artifacts_saved_by_one_process_warm_another(tmp_path):
-    artifacts = tmp_path / "artifacts.bin"
-    cold = _run(tmp_path / "one", save=artifacts)
-    warm = _run(tmp_path / "two", load=artifacts)  # an empty cache directory of its own
+@pytest.mark.slow
+def test_artifacts_saved_by_one_process_warm_another(cold_then_warm, tmp_path):
+    _, cold, _, artifacts = cold_then_warm
+    warm = _run(tmp_path / "empty", load=artifacts)  # a cache directory of its own
     assert warm["counts"]["autograd_hit"] == 1 and warm["counts"]["autograd_miss"] == 0
     assert warm["keys"] == cold["keys"]
 
@@ -110,6 +120,7 @@ def _batch_key(other_first: bool) -> str:
     return key
 
 
+@pytest.mark.multirank
 def test_a_batch_is_named_by_its_calls_not_by_what_the_process_made_before():
     from autoshard.tools.launch import run_ranks
 
@@ -171,6 +182,8 @@ def _gloo_step(cache_root: str, batch_shares: list[int] | None = None) -> dict[s
     return {"counts": cache_counts(), "loss": loss.item(), "rows": mine.shape[0], "grads": grads, "agreed": agreed}
 
 
+@pytest.mark.slow
+@pytest.mark.multirank
 def test_ranks_whose_compile_hits_run_with_ranks_whose_compile_misses(tmp_path, monkeypatch):
     """Rank 0's cache is warm, rank 1's empty: a plan exchange on the misses only would leave
     rank 1 waiting for rank 0's plan; both exchange their cache key instead, and train to the
@@ -188,6 +201,8 @@ def test_ranks_whose_compile_hits_run_with_ranks_whose_compile_misses(tmp_path, 
     assert hit["grads"] == missed["grads"] == cold["grads"]
 
 
+@pytest.mark.slow
+@pytest.mark.multirank
 def test_ranks_with_their_own_batch_shares_compile_uncached_and_agree(tmp_path, monkeypatch):
     """The model's graph has other input shapes on each rank, so its cache keys differ: rather
     than a mismatch error, every rank compiles it uncached and takes rank 0's decisions
