@@ -133,7 +133,20 @@ def main() -> None:
     runs = tuple(r for r in RUNS if r.world in args.worlds)
     rows = replay(args.profile, runs=runs, with_plan=args.plan, progress=lambda s: print(s, file=sys.stderr, flush=True))
     print(f"Llama 3.1 8B, FSDP, local batch 2, seq 8192, selective AC; profile {args.profile}; published: {SOURCE}")
-    print(tabulate(rows, headers="keys", floatfmt=".3g"))
+    print(tabulate([_formatted(r) for r in rows], headers="keys", disable_numparse=True))
+
+
+def _formatted(row: dict[str, Any]) -> dict[str, str]:
+    """Tokens/s whole, GiB to 0.1, ratios to 0.01, seconds to the ms, percentages to 0.1."""
+    def text(key: str, value: Any) -> str:
+        if not isinstance(value, float):
+            return str(value)
+        if key.endswith("tok_s"):
+            return f"{value:,.0f}"
+        if key.endswith("_s"):
+            return f"{value:.3f}"
+        return f"{value:.2f}" if "ratio" in key or "_vs_" in key else f"{value:.1f}"
+    return {k: text(k, v) for k, v in row.items()}
 
 
 if __name__ == "__main__":

@@ -4,16 +4,14 @@ sources, with the cost-model terms it turns on."""
 from __future__ import annotations
 
 import dataclasses
-import sys
-from pathlib import Path
 
 import pytest
+from llama3 import LlamaConfig
+from published import RUNS, replay
 
 from autoshard.compiler.cost_model import collective_time, get_profile
 
-sys.path.append(str(Path(__file__).resolve().parents[1] / "bench"))
-from llama3 import LlamaConfig  # noqa: E402
-from published import RUNS, replay  # noqa: E402
+pytestmark = pytest.mark.planner
 
 TINY = LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=211, seq_len=64)
 
