@@ -5,7 +5,7 @@
 """
 import sys
 
-from autoshard.compiler.backend import autoshard_backend
+from autoshard.compiler import backend  # noqa: F401 - registers backend='autoshard' (also an entry point)
 from autoshard.compiler.dump import register_report_writer
 from autoshard.compiler.logs import register_timeline
 from autoshard.runtime import checkpoint, errors, ops
@@ -20,20 +20,24 @@ from autoshard.runtime.errors import (
     UsageError,
 )
 from autoshard.runtime.layout import ShardLayout
-from autoshard.runtime.materialize import materialize, shards_in_place
+from autoshard.runtime.materialize import materialize
 from autoshard.runtime.mixed_precision import MixedPrecision
 from autoshard.runtime.shard import is_sharded, shard
+from autoshard.runtime.state_shares import full_tensor
 from autoshard.tools import launch
 from autoshard.tools.explain import explain, explain_graphs
 from autoshard.tools.plan.plan import Plan, plan
 from autoshard.tools.report.report import Report, timeline, write_report
 from autoshard.tools.sim.cluster import Cluster, NodeGroup
 
+# The public API: what README and docs/ document (tests/test_public_api.py). The backend, the
+# launcher and the annotation ops stay reachable (autoshard.launch.run_ranks, autoshard.ops) for
+# the tests and benchmarks, but are not part of it.
 __all__ = [
     "AutoshardError", "Cluster", "InflightCapError", "MixedPrecision", "NodeGroup", "OverBudgetError", "Plan",
-    "PlanMismatchError", "RankFailedError", "Report", "ShardLayout", "UsageError", "autoshard_backend", "batch_sizes",
-    "checkpoint", "errors", "explain", "explain_graphs", "full_state_dict", "is_sharded", "launch", "load", "materialize",
-    "ops", "plan", "save", "set_batch_shares", "shard", "shards_in_place", "split_batch",
+    "PlanMismatchError", "RankFailedError", "Report", "ShardLayout", "UsageError", "batch_sizes", "explain", "explain_graphs",
+    "full_state_dict", "full_tensor", "is_sharded", "load", "materialize", "plan", "save", "set_batch_shares", "shard",
+    "split_batch",
 ]
 
 # Module paths users import (``autoshard.launch.run_ranks``, ``import autoshard.checkpoint``, ``autoshard.errors``)

@@ -24,6 +24,7 @@ from autoshard.compiler.cost_model import (
     workspace,
 )
 from autoshard.passes.step_model import peak_bytes
+from autoshard.runtime.errors import UsageError
 from autoshard.tools.sim.simulator import analyze, kwh_per_million_tokens
 
 from fake_pg import compile_step, fake_world
@@ -291,7 +292,7 @@ def test_energy_is_compute_at_busy_power_and_exposed_comm_at_idle_power(world8):
 def test_kwh_per_million_tokens():
     assert kwh_per_million_tokens(3600.0, 1000, 1_000_000) == pytest.approx(1.0)  # 3.6 MJ = 1 kWh per step
     assert kwh_per_million_tokens(36.0, 8, 8 * 2048) == pytest.approx(36 * 8 / 3.6e6 * 1e6 / (8 * 2048))
-    with pytest.raises(ValueError, match="tokens_per_step must be positive"):
+    with pytest.raises(UsageError, match="tokens_per_step must be positive"):
         kwh_per_million_tokens(36.0, 8, 0)
 
 

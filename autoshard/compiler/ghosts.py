@@ -28,6 +28,7 @@ from torch import fx
 
 from autoshard._compat import detect_fake_mode
 from autoshard.runtime.batched import key_for
+from autoshard.runtime.errors import UsageError
 from autoshard.runtime.leaves import Leaves, ghost_leaves
 from autoshard.runtime.ops import FAKE
 
@@ -48,7 +49,7 @@ def gather_ghosts(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[li
     graph = gm.graph
     for node in graph.find_nodes(op="get_attr"):  # a ghost Dynamo kept as a constant would be computed with
         if ghost_leaves(getattr(gm, node.target, None)) is not None:
-            raise ValueError(f"autoshard backend: Dynamo made the sharded parameter read {node.target!r} a constant of "
+            raise UsageError(f"autoshard backend: Dynamo made the sharded parameter read {node.target!r} a constant of "
                              "the graph, not an input, so it cannot be gathered; leave "
                              "torch._dynamo.config.inline_inbuilt_nn_modules at True (its default).")
     placeholders = list(graph.find_nodes(op="placeholder"))

@@ -78,7 +78,7 @@ def explain(
         for report in reports:
             report.mixed = play(report, cluster, 0, None)
     if len(reports) != 1:
-        raise ValueError(
+        raise UsageError(
             f"autoshard.explain: Dynamo compiled {len(reports)} graphs (graph breaks); use autoshard.explain_graphs, which "
             "returns one report per graph, or remove the graph breaks."
         )
@@ -115,7 +115,7 @@ def _explain(
             "init_process_group or after destroy_process_group."
         )
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"autoshard.explain: world_size must be a positive int, got {world_size!r}; pass e.g. world_size=8 "
+        raise UsageError(f"autoshard.explain: world_size must be a positive int, got {world_size!r}; pass e.g. world_size=8 "
                          "(--world-size 8 on the command line).")
     # On CPU inputs the backend's default profile is "cpu"; the report must use the same.
     options = {"compiler": "aot_eager", "profile": profile or "cpu", **options}
@@ -127,7 +127,7 @@ def _explain(
     module = None
     if isinstance(model_or_factory, nn.Module):
         if is_sharded(model_or_factory):
-            raise ValueError("autoshard.explain: the module is already sharded; pass a factory that builds (and may shard) it instead.")
+            raise UsageError("autoshard.explain: the module is already sharded; pass a factory that builds (and may shard) it instead.")
         module = copy.deepcopy(model_or_factory)  # shard() works in place; the caller's module stays as is
     elif not callable(model_or_factory):
         raise TypeError(f"autoshard.explain: expected an nn.Module or a callable returning one, got {type(model_or_factory).__name__}; "

@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from autoshard._compat import all_gather_single, c10d
 from autoshard.compiler.cost_model import COLLECTIVE_KINDS, DeviceProfile
+from autoshard.runtime.errors import UsageError
 from autoshard.tools.calibrate.fit import Measurements, Sample, fit, fit_errors, fit_report
 from autoshard.tools.launch import run_ranks
 
@@ -211,7 +212,7 @@ def measure(
 ) -> Measurements:
     """Run the measurements described in the module docstring."""
     if not world_sizes or any(w < 2 for w in world_sizes):
-        raise ValueError(f"autoshard calibrate: world sizes must be >= 2 (a collective needs two ranks), got {list(world_sizes)}; "
+        raise UsageError(f"autoshard calibrate: world sizes must be >= 2 (a collective needs two ranks), got {list(world_sizes)}; "
                          "pass e.g. --world-sizes 2 4")
     sizes = tuple(sizes or (QUICK_SIZES if quick else DEFAULT_SIZES))
     samples: list[Sample] = []

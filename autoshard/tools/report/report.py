@@ -21,6 +21,7 @@ from autoshard.compiler.cost_model import DeviceProfile, collective_of, get_prof
 from autoshard.compiler.pipeline import STAGES
 from autoshard.passes.graph_utils import parameter_reads
 from autoshard.passes.schedule import PLAN
+from autoshard.runtime.errors import UsageError
 from autoshard.runtime.ops import UNSHARD
 from autoshard.tools.report.code import node_block
 from autoshard.tools.report.page import render_html
@@ -49,7 +50,7 @@ class Report:
         self, stages: Mapping[str, fx.GraphModule], profile: str | DeviceProfile, *, title: str = "", rank: int | None = None
     ) -> None:
         if "forward" not in stages:
-            raise ValueError(f"autoshard.Report: a report needs at least the 'forward' stage, got {sorted(stages)}; "
+            raise UsageError(f"autoshard.Report: a report needs at least the 'forward' stage, got {sorted(stages)}; "
                              "pass every stage of one compiled graph, 'forward' among them.")
         self.stages = {s: stages[s] for s in STAGES if s in stages}
         self.profile = get_profile(profile)

@@ -25,6 +25,7 @@ from torch import fx
 
 from autoshard.passes.graph_utils import GATHERED, PARAMS, block_of, collective_kind, is_copy, is_view, is_wait, out_buffer, tensor_bytes
 from autoshard.passes.step_model import linger, never, reads_input_until_wait
+from autoshard.runtime.errors import UsageError
 
 Order = list[tuple[str, fx.Node]]  # (stage, node) in the order the step runs them
 
@@ -51,7 +52,7 @@ def saved_sources(forward: fx.GraphModule, backward: fx.GraphModule | None) -> d
     saved_inputs = [n for n in backward.graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents")]
     outputs = forward.graph.output_node().args[0]
     if len(saved_inputs) > len(outputs):
-        raise ValueError(
+        raise UsageError(
             f"autoshard.tools.sim.simulator.analyze: backward takes {len(saved_inputs)} saved values but forward returns only "
             f"{len(outputs)} outputs: not an AOT autograd forward/backward pair; pass the forward and backward of one compiled graph."
         )

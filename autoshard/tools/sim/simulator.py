@@ -24,6 +24,7 @@ from autoshard.compiler.cost_model import (
 )
 from autoshard.passes.graph_utils import COLLECTIVE_KINDS, PARAMS, is_wait
 from autoshard.passes.schedule_config import ScheduleConfig
+from autoshard.runtime.errors import UsageError
 from autoshard.runtime.expert_ops import EXPERT_PARALLEL, EXPERT_PARALLEL_BACKWARD
 from autoshard.tools.sim.liveness import CATEGORIES, Liveness, MemoryPeak, Order, categorize, issuer, peak_of, saved_sources
 
@@ -231,7 +232,7 @@ def kwh_per_million_tokens(energy_j_per_rank: float, world_size: int, tokens_per
     """kWh that a million tokens cost when one step costs ``energy_j_per_rank`` joules on
     each of ``world_size`` ranks and trains on ``tokens_per_step`` tokens over all of them."""
     if world_size < 1 or tokens_per_step < 1:
-        raise ValueError(f"autoshard.tools.sim.simulator.kwh_per_million_tokens: world_size and tokens_per_step must be positive, "
+        raise UsageError(f"autoshard.tools.sim.simulator.kwh_per_million_tokens: world_size and tokens_per_step must be positive, "
                          f"got {world_size} and {tokens_per_step}; pass the ranks and the tokens one step trains on over all of them.")
     return energy_j_per_rank * world_size / 3.6e6 * 1e6 / tokens_per_step  # 1 kWh = 3.6e6 J
 
