@@ -11,8 +11,7 @@ from test_cluster import FAST, SLOW
 
 import autoshard
 from autoshard import Cluster, NodeGroup
-from autoshard.tools.plan.shares import play
-from autoshard.tools.plan.state_shares import per_rank, with_state
+from autoshard.tools.plan.shares import per_rank, play, with_state
 from autoshard.tools.sim.mixed_cluster import scaled_peak, step_times
 
 pytestmark = pytest.mark.planner

@@ -224,7 +224,7 @@ def plan(
     chooses, and the plan is the fastest there whose every type fits its own memory
     (:attr:`Plan.batch_shares`: each rank's fraction of the global batch), and where even
     state shards do not fit a type's memory, state shares by memory (:attr:`Plan.state_shares`,
-    :mod:`autoshard.tools.plan.state_shares`)."""
+    :mod:`autoshard.tools.plan.shares`)."""
     if cluster is not None:
         if not isinstance(cluster, Cluster):
             raise UsageError(f"autoshard.plan: cluster must be an autoshard.tools.sim.cluster.Cluster, got {type(cluster).__name__}.")

@@ -123,7 +123,7 @@ class Cluster:
 
     def pooled_memory_gb(self, default: float | None) -> float | None:
         """The memory per rank averaged over the ranks, where every group gives its own and they
-        differ (state shares spread the state by memory, autoshard.tools.plan.state_shares); else
+        differ (state shares spread the state by memory, autoshard.tools.plan.shares); else
         :meth:`smallest_memory_gb`."""
         sizes = [g.memory_gb for g in self.nodes]
         if any(s is None for s in sizes) or len(set(sizes)) == 1:
