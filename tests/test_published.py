@@ -54,3 +54,26 @@ def test_a_ring_across_nodes_crosses_on_every_nic():
     # One rank per node (a replica group of HSDP): nothing to share, one NIC as before.
     replicas = range(0, 128, 8)
     assert collective_time("all_reduce", nbytes, replicas, p) == collective_time("all_reduce", nbytes, replicas, one_nic)
+
+
+def test_causal_attention_is_priced_at_half_its_counted_flops():
+    import torch
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from autoshard.compiler.cost_model import node_flops, node_time
+
+    def attend(causal):
+        return lambda q, k, v: torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)[0]
+
+    q = torch.empty(1, 32, 4096, 128, dtype=torch.bfloat16)
+    p = get_profile("h100_grand_teton")
+    times = {}
+    for causal in (False, True):
+        gm = make_fx(attend(causal), tracing_mode="fake")(q, q, q)
+        (node,) = [n for n in gm.graph.nodes if n.op == "call_function" and "flash" in str(n.target)]
+        flops = node_flops(node)
+        times[causal] = node_time(node, p) - p.launch_overhead
+        assert times[causal] == pytest.approx(flops * (0.5 if causal else 1.0) / (912e12 * 0.35))
+    # Without attention_efficiency: the whole square at the matmul rate, as before the term.
+    plain = dataclasses.replace(p, attention_efficiency=None)
+    assert node_time(node, plain) - p.launch_overhead == pytest.approx(flops / (912e12 * 0.801))

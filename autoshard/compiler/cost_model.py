@@ -209,7 +209,7 @@ def _attention_time(node: fx.Node, profile: DeviceProfile) -> float | None:
     if profile.attention_efficiency is None or node.target not in _ATTENTION:
         return None
     causal = arguments(node.target, node.args, node.kwargs).get("is_causal", False)
-    peak = profile.flops_per_s(_compute_dtype(node)) / profile.matmul_efficiency
+    peak = profile.peak_flops_per_s(_compute_dtype(node))
     return node_flops(node) * (0.5 if causal else 1.0) / (peak * profile.attention_efficiency)
 
 

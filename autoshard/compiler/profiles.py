@@ -88,10 +88,13 @@ class DeviceProfile(ProfileFigures):
     attention_efficiency: float | None = None
     nic_per_rank: bool = False
 
+    def peak_flops_per_s(self, dtype: torch.dtype) -> float:
+        """Datasheet peak FLOP/s for ``dtype`` (the float32 figure for unlisted dtypes)."""
+        return self.peak_flops.get(str(dtype).removeprefix("torch."), self.peak_flops["float32"])
+
     def flops_per_s(self, dtype: torch.dtype) -> float:
-        """FLOP/s compute-bound kernels reach for ``dtype``: its peak (the float32 figure for
-        unlisted dtypes) times ``matmul_efficiency``."""
-        return self.matmul_efficiency * self.peak_flops.get(str(dtype).removeprefix("torch."), self.peak_flops["float32"])
+        """FLOP/s compute-bound kernels reach for ``dtype``: its peak times ``matmul_efficiency``."""
+        return self.matmul_efficiency * self.peak_flops_per_s(dtype)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
