@@ -87,7 +87,7 @@ def planned(cfg: LlamaConfig, run: Published, profile: Any) -> dict[str, Any]:
     """``autoshard.plan``'s choice for ``run`` (bf16, no budget) and its predicted step and memory."""
     tokens = torch.zeros(run.batch, run.seq, dtype=torch.long)
     plan = autoshard.plan(lambda: Llama3(cfg), tokens, tokens, world_size=run.world, profile=profile, precisions=("bf16",))
-    out = plan.outcome
+    out = plan.chosen
     return {"layout": plan.candidate.label(plan.ranks_per_node), "step_s": out.step_time,
             "tokens_per_s": run.batch * run.seq / out.step_time, "memory_gib": out.peak_bytes / 2**30}
 
