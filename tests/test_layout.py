@@ -8,8 +8,9 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYERS = ["_compat", "runtime", "passes", "compiler", "tools"]  # each may import those before it
-FOLDERS = {"runtime": "autoshard/runtime", "passes": "passes", "compiler": "autoshard/compiler", "tools": "autoshard/tools"}
+LAYERS = ["_compat", "runtime", "passes", "compiler", "tools", "integrations"]  # each may import those before it
+FOLDERS = {"runtime": "autoshard/runtime", "passes": "passes", "compiler": "autoshard/compiler", "tools": "autoshard/tools",
+           "integrations": "autoshard/integrations"}
 
 
 def _layer_of(module: str) -> str | None:

@@ -166,6 +166,8 @@ def results() -> dict[str, Any]:
     return run_ranks(WORLD, _all, timeout=900)[0]
 
 
+@pytest.mark.slow
+@pytest.mark.multirank
 @pytest.mark.parametrize("case", ["sum_full", "sum_grad_op", "sum_replicate", "sum_hybrid", "average_uncompiled",
                                   "divide_2n_uncompiled", "divide_2n_hybrid", "sum_no_sync", "sum_no_sync_replicate",
                                   "average_no_sync", "sum_shares", "average_shares", "sum_experts"])
@@ -173,10 +175,14 @@ def test_gradients_are_the_sum_divided_by_the_factor(results: dict[str, Any], ca
     assert results[case] <= TOL, results[case]
 
 
+@pytest.mark.slow
+@pytest.mark.multirank
 def test_no_sync_nests_and_restores_the_setting(results: dict[str, Any]) -> None:
     assert results["no_sync_flags"] == [False, False, True]
 
 
+@pytest.mark.slow
+@pytest.mark.multirank
 def test_clip_grad_norm_and_dcp_state_dicts(results: dict[str, Any]) -> None:
     found = results["clip_dcp"]
     assert found["norm"] <= TOL, found

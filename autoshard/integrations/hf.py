@@ -29,8 +29,9 @@ from typing import Any
 import torch
 import transformers
 
-import autoshard
+from autoshard.runtime.checkpoint import full_state_dict, load, save
 from autoshard.runtime.errors import UsageError
+from autoshard.runtime.shard import is_sharded, shard
 from autoshard.runtime.sharded import _base_of
 
 CHECKPOINT_DIR = "autoshard"  # inside each Trainer checkpoint: model and optimizer shards
@@ -69,8 +70,8 @@ class AutoshardTrainer(transformers.Trainer):
         super().__init__(*args, **kwargs)  # sets up the process group (accelerate's PartialState)
         if self.model is None:
             raise UsageError("AutoshardTrainer: pass model=...; model_init is not supported (the model is sharded once).")
-        if not autoshard.is_sharded(self.model):
-            autoshard.shard(self.model, **(shard_kwargs or {}))
+        if not is_sharded(self.model):
+            shard(self.model, **(shard_kwargs or {}))
         self._autoshard_options = dict(autoshard_options or {})
         if self.args.torch_compile and "compiler" not in self._autoshard_options:
             backend = self.args.torch_compile_backend or "inductor"
@@ -89,13 +90,13 @@ class AutoshardTrainer(transformers.Trainer):
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         # Every rank takes part in the gather; the main process writes (the Trainer's _save returns on the others).
         if state_dict is None:
-            state_dict = autoshard.full_state_dict(self.model)
+            state_dict = full_state_dict(self.model)
         if self.args.should_save:
             super()._save(output_dir, state_dict=state_dict)
             _name_the_users_class(self.model, output_dir or self.args.output_dir)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        autoshard.save(os.path.join(output_dir, CHECKPOINT_DIR), self.model, _optimizer(self.optimizer))
+        save(os.path.join(output_dir, CHECKPOINT_DIR), self.model, _optimizer(self.optimizer))
         if self.args.should_save:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
@@ -108,7 +109,7 @@ class AutoshardTrainer(transformers.Trainer):
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is None:
             return
-        autoshard.load(os.path.join(checkpoint, CHECKPOINT_DIR), self.model, _optimizer(self.optimizer))
+        load(os.path.join(checkpoint, CHECKPOINT_DIR), self.model, _optimizer(self.optimizer))
         scheduler = os.path.join(checkpoint, SCHEDULER_NAME)
         if os.path.isfile(scheduler):
             self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))

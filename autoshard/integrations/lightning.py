@@ -33,16 +33,17 @@ from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from torch import nn
 
-import autoshard
+from autoshard.runtime.checkpoint import load, save
 from autoshard.runtime.errors import UsageError
+from autoshard.runtime.shard import is_sharded, shard
 
 NAME = "autoshard"
 _NOT_EXTRA = ("state_dict", "optimizer_states")  # the Trainer's checkpoint keys autoshard.save writes itself
 
 
 def _shard_and_compile(module: nn.Module, shard_kwargs: dict[str, Any], options: dict[str, Any], compile: bool) -> nn.Module:
-    if not autoshard.is_sharded(module):
-        autoshard.shard(module, **shard_kwargs)
+    if not is_sharded(module):
+        shard(module, **shard_kwargs)
     return torch.compile(module, backend="autoshard", options=options) if compile else module
 
 
@@ -92,14 +93,14 @@ class AutoshardFabricStrategy(FabricDDPStrategy):
         if storage_options is not None or filter:
             raise UsageError("AutoshardFabricStrategy.save_checkpoint: storage_options and filter are not supported.")
         model, optimizer, extra = _split_state(state)
-        autoshard.save(path, model, optimizer, extra=extra)
+        save(path, model, optimizer, extra=extra)
 
     def load_checkpoint(self, path: Any, state: Any = None, strict: bool = True, weights_only: bool | None = None) -> dict[str, Any]:
         if not isinstance(state, dict) or not state:
             raise UsageError("AutoshardFabricStrategy.load_checkpoint: pass the state to restore, e.g. "
                              "fabric.load(path, {'model': model, 'optimizer': optimizer}).")
         model, optimizer, _ = _split_state(state)
-        extra = autoshard.load(path, model, optimizer)
+        extra = load(path, model, optimizer)
         for key in list(state):
             if not isinstance(state[key], (nn.Module, torch.optim.Optimizer)) and key in extra:
                 state[key] = extra.pop(key)
@@ -132,8 +133,8 @@ class AutoshardStrategy(DDPStrategy):
     def configure_ddp(self) -> None:
         # Instead of the DDP wrapper: shard the LightningModule (after configure_model) and compile its forward.
         module = self.model
-        if not autoshard.is_sharded(module):
-            autoshard.shard(module, **self._shard_kwargs)
+        if not is_sharded(module):
+            shard(module, **self._shard_kwargs)
         if self._compile and not getattr(module, "_autoshard_compiled_forward", False):
             module.forward = torch.compile(module.forward, backend="autoshard", options=self._options)
             module._autoshard_compiled_forward = True
@@ -161,10 +162,10 @@ class AutoshardStrategy(DDPStrategy):
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         extra = {k: v for k, v in checkpoint.items() if k not in _NOT_EXTRA}
-        autoshard.save(filepath, self.lightning_module, self._optimizer(), extra=extra)
+        save(filepath, self.lightning_module, self._optimizer(), extra=extra)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        checkpoint = autoshard.load(checkpoint_path, self.lightning_module, self._optimizer())
+        checkpoint = load(checkpoint_path, self.lightning_module, self._optimizer())
         # Loaded already; the keys stay for Lightning's checks (it refuses a checkpoint without optimizer states).
         return {**checkpoint, "state_dict": {}, "optimizer_states": [{} for _ in self.optimizers]}
 
