@@ -13,6 +13,7 @@ predicted step and memory for the same job (its default schedule, and optionally
     python bench/published.py                          # the four runs, h100_grand_teton (~10 min)
     python bench/published.py --profile h100           # on another profile
     python bench/published.py --plan                   # also autoshard.plan's choice (slow)
+    python bench/published.py --set nic_per_rank=False # a profile figure replaced
 
 Memory is the simulator's peak of live tensors plus AdamW's two float32 states per shard
 (torchtitan reports the allocator's peak reserved memory). Tokens/s/GPU is the local batch's
@@ -21,6 +22,7 @@ tokens over the predicted step. The optimizer step itself is not simulated.
 from __future__ import annotations
 
 import argparse
+import ast
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -34,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from llama3 import LLAMA3_8B, Llama3, LlamaConfig  # noqa: E402
 
 import autoshard  # noqa: E402
+from autoshard.compiler.cost_model import get_profile  # noqa: E402
 
 BF16 = autoshard.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 ADAMW_STATES = 2  # float32 tensors per parameter shard (exp_avg, exp_avg_sq)
@@ -129,10 +132,16 @@ def main() -> None:
     parser.add_argument("--profile", default="h100_grand_teton", help="a named profile or a .json profile file")
     parser.add_argument("--worlds", nargs="+", type=int, default=[8, 128])
     parser.add_argument("--plan", action="store_true", help="also autoshard.plan's choice (several compiles per run)")
+    parser.add_argument("--set", nargs="+", default=[], metavar="FIGURE=VALUE",
+                        help="replace profile figures, e.g. --set matmul_efficiency=1.0 attention_efficiency=None nic_per_rank=False")
     args = parser.parse_args()
     runs = tuple(r for r in RUNS if r.world in args.worlds)
-    rows = replay(args.profile, runs=runs, with_plan=args.plan, progress=lambda s: print(s, file=sys.stderr, flush=True))
-    print(f"Llama 3.1 8B, FSDP, local batch 2, seq 8192, selective AC; profile {args.profile}; published: {SOURCE}")
+    profile = get_profile(args.profile)
+    if args.set:  # one term off at a time: what each contributes (docs/published.md)
+        profile = replace(profile, **{k: ast.literal_eval(v) for k, v in (item.split("=", 1) for item in args.set)})
+    rows = replay(profile, runs=runs, with_plan=args.plan, progress=lambda s: print(s, file=sys.stderr, flush=True))
+    changed = f" with {' '.join(args.set)}" if args.set else ""
+    print(f"Llama 3.1 8B, FSDP, local batch 2, seq 8192, selective AC; profile {args.profile}{changed}; published: {SOURCE}")
     print(tabulate([_formatted(r) for r in rows], headers="keys", disable_numparse=True))
 
 
