@@ -8,6 +8,7 @@ short and empty shards are the normal case here, not a corner.
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Any, Callable
 
 import torch
@@ -61,10 +62,19 @@ def _resnet() -> nn.Module:
     return tf.ResNetForImageClassification(cfg)
 
 
+def _vit() -> nn.Module:
+    # patch embedding (a convolution), a class token and position embeddings as bare parameters
+    cfg = tf.ViTConfig(image_size=32, patch_size=8, num_channels=3, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                       intermediate_size=128, num_labels=10, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    return tf.ViTForImageClassification(cfg)
+
+
 MODELS: dict[str, Callable[[], nn.Module]] = {
-    "gpt2": _gpt2, "llama": _llama, "llama_checkpointed": _llama_checkpointed, "qwen2_moe": _qwen2_moe, "t5": _t5, "resnet": _resnet,
+    "gpt2": _gpt2, "llama": _llama, "llama_checkpointed": _llama_checkpointed, "qwen2_moe": _qwen2_moe, "t5": _t5,
+    "resnet": _resnet, "vit": _vit,
 }
 PER_RANK_STATISTICS = {"resnet"}  # BatchNorm normalises each rank's slice, as under DDP
+IMAGES = {"resnet": 16, "vit": 32}  # image models: the side of their square inputs
 
 
 def build(name: str) -> nn.Module:
@@ -77,8 +87,9 @@ def build(name: str) -> nn.Module:
 def batch(name: str, step: int) -> dict[str, torch.Tensor]:
     """The global batch of ``step``: the same on every rank."""
     g = torch.Generator().manual_seed(100 + step)
-    if name == "resnet":
-        return {"pixel_values": torch.randn(BATCH, 3, 16, 16, generator=g), "labels": torch.randint(0, 10, (BATCH,), generator=g)}
+    if name in IMAGES:
+        side = IMAGES[name]
+        return {"pixel_values": torch.randn(BATCH, 3, side, side, generator=g), "labels": torch.randint(0, 10, (BATCH,), generator=g)}
     ids = torch.randint(1, VOCAB, (BATCH, SEQ), generator=g)
     if name == "t5":
         return {"input_ids": ids, "labels": torch.randint(1, VOCAB, (BATCH, SEQ // 2), generator=g)}
@@ -105,7 +116,8 @@ def parity(name: str, compiler: str, *, steps: int = 2, shard: Callable[[nn.Modu
            dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     """Train the sharded model on this rank's rows next to one process on the whole batch
     (for BatchNorm models: the mean of per-rank-slice losses, as DDP computes it); SGD with
-    momentum on both. Returns the largest loss and parameter differences over ``steps``."""
+    momentum on both. Returns the largest loss and parameter differences over ``steps``, the
+    parameters compared after every step."""
     torch._dynamo.reset()
     rank, world = dist.get_rank(), dist.get_world_size()
     reference = build(name).to(dtype)
@@ -136,9 +148,18 @@ def parity(name: str, compiler: str, *, steps: int = 2, shard: Callable[[nn.Modu
     return found
 
 
+HOW: dict[str, dict[str, Any]] = {
+    "whole": {},  # the model sharded at its root, with shard's defaults
+    "per_layer": {"shard": shard_per_layer},
+    "bf16": {"dtype": torch.bfloat16},  # the model held in bfloat16
+    # Every parameter gathered again in the backward, or every one kept from the forward: with
+    # the defaults (the last block kept), the three ways a gathered parameter reaches the backward.
+    "reshard": {"shard": functools.partial(autoshard.shard, reshard_after_forward=True)},
+    "keep": {"shard": functools.partial(autoshard.shard, reshard_after_forward=False)},
+}
+
+
 def parity_many(cases: list[tuple[str, str]], how: str = "whole") -> dict[tuple[str, str], dict[str, Any]]:
     """:func:`parity` for several (model, compiler) cases in one launch (spawning ranks costs
-    seconds). ``how``: "whole" (the model sharded at its root), "per_layer"
-    (:func:`shard_per_layer`) or "bf16" (the model held in bfloat16)."""
-    kwargs = {"whole": {}, "per_layer": {"shard": shard_per_layer}, "bf16": {"dtype": torch.bfloat16}}[how]
-    return {case: parity(*case, **kwargs) for case in cases}
+    seconds), each sharded and held as :data:`HOW` says."""
+    return {case: parity(*case, **HOW[how]) for case in cases}

@@ -27,8 +27,27 @@ def _check(found: dict, tol: float = TOL) -> None:
 def test_every_model_trains_like_one_process_at_2_ranks(compiler: str) -> None:
     """Tied embeddings (GPT-2), grouped-query attention with rotary embeddings (Llama), the
     library's own checkpointing switch (Llama), experts with a shared expert (Qwen2-MoE), an
-    encoder-decoder (T5), convolutions with BatchNorm (ResNet)."""
+    encoder-decoder (T5), convolutions with BatchNorm (ResNet), a patch-embedding convolution
+    and bare class and position parameters (ViT)."""
     found = run_ranks(2, hf_models.parity_many, [(name, compiler) for name in hf_models.MODELS], timeout=900)[0]
+    _check(found)
+
+
+@pytest.mark.parametrize("how", ["reshard", "keep"])
+def test_every_model_under_inductor_whether_the_backward_gathers_again_or_keeps(how: str) -> None:
+    """With the defaults (above) the last block stays gathered for the backward and the others
+    are gathered again; here every parameter is gathered again (``reshard_after_forward=True``)
+    or every one kept (``False``). Inductor plans buffers, reuses them and reorders where
+    aot_eager does not: a gathered parameter's buffer reused while gloo still sent from it gave
+    a ViT wrong gradients under the defaults only."""
+    found = run_ranks(2, hf_models.parity_many, [(name, "inductor") for name in hf_models.MODELS], how, timeout=900)[0]
+    _check(found)
+
+
+@pytest.mark.parametrize("compiler", COMPILERS)
+def test_vit_at_4_ranks(compiler: str) -> None:
+    """The ViT's class token and position embeddings have one row: at 4 ranks three shards are empty."""
+    found = run_ranks(4, hf_models.parity_many, [("vit", compiler)], timeout=900)[0]
     _check(found)
 
 
