@@ -263,9 +263,12 @@ def collective_time(kind: str, nbytes: int, ranks: int | Sequence[int], profile:
         # node sends 1/g of the ring's bytes between nodes and forwards the rest over the
         # node's own link, both at once; else one inter link carries them all (g = 1).
         g = n // nodes if profile.nic_per_rank else 1
-        inter, intra = profile.inter.bandwidth[kind], profile.intra.bandwidth[kind]
-        ring = (_ring(profile.intra, kind, n - nodes, 0.0, 0) + _ring(profile.inter, kind, nodes, 0.0, 0)
-                + fraction * nbytes * max(1 / (g * inter), (g - 1) / (g * intra)))
+        if g == 1:
+            ring = _ring(profile.intra, kind, n - nodes, 0.0, 0) + _ring(profile.inter, kind, nodes, fraction, nbytes)
+        else:
+            inter, intra = profile.inter.bandwidth[kind], profile.intra.bandwidth[kind]
+            ring = (_ring(profile.intra, kind, n - nodes, 0.0, 0) + _ring(profile.inter, kind, nodes, 0.0, 0)
+                    + fraction * nbytes * max(1 / (g * inter), (g - 1) / (g * intra)))
     return 2 * ring if kind == "all_reduce" else ring
 
 
