@@ -40,6 +40,7 @@ from autoshard.compiler.cost_model import get_profile  # noqa: E402
 
 BF16 = autoshard.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 ADAMW_STATES = 2  # float32 tensors per parameter shard (exp_avg, exp_avg_sq)
+HBM_GIB = 96e9 / 2**30  # Grand Teton's H100: 96 GB of HBM2e, the plan's memory budget
 SOURCE = "torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Tables 1 and 3 (commit 9dec370, 2024-12-26)"
 
 
@@ -87,9 +88,11 @@ def _figures(m: dict[str, Any], run: Published) -> dict[str, float]:
 
 
 def planned(cfg: LlamaConfig, run: Published, profile: Any) -> dict[str, Any]:
-    """``autoshard.plan``'s choice for ``run`` (bf16, no budget) and its predicted step and memory."""
+    """``autoshard.plan``'s choice for ``run`` (bf16, within the GPU's memory) and its predicted
+    step and memory."""
     tokens = torch.zeros(run.batch, run.seq, dtype=torch.long)
-    plan = autoshard.plan(lambda: Llama3(cfg), tokens, tokens, world_size=run.world, profile=profile, precisions=("bf16",))
+    plan = autoshard.plan(lambda: Llama3(cfg), tokens, tokens, world_size=run.world, profile=profile, precisions=("bf16",),
+                          memory_budget_gb=HBM_GIB)
     out = plan.chosen
     return {"layout": plan.candidate.label(plan.ranks_per_node), "step_s": out.step_time,
             "tokens_per_s": run.batch * run.seq / out.step_time, "memory_gib": out.peak_bytes / 2**30}
