@@ -33,6 +33,7 @@ def fabric(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 def test_fabric_trains_like_one_process(fabric: dict[str, Any]) -> None:
     assert fabric["two"]["strategy"] == "AutoshardFabricStrategy"
     losses, params = _difference(fabric["two"], fabric["reference"])
+    print(f"fabric parity: loss {losses:.1e}, parameters {params:.1e}")
     assert losses <= TOL and params <= TOL, (losses, params)
 
 
@@ -61,6 +62,7 @@ def test_trainer_trains_like_one_process(trainer: dict[str, Any]) -> None:
     assert trainer["two"]["strategy"] == "AutoshardStrategy"
     assert trainer["two"]["checkpoints"] == ["step=2.ckpt", "step=4.ckpt"]
     losses, params = _difference(trainer["two"], trainer["reference"])
+    print(f"lightning trainer parity: loss {losses:.1e}, parameters {params:.1e}")
     assert losses <= TOL and params <= TOL, (losses, params)
 
 
