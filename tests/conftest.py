@@ -19,26 +19,11 @@ os.environ.setdefault("TORCHINDUCTOR_AUTOGRAD_CACHE", "0")
 # to start (tests/models: 107 s with the pool, 83 s without).
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
-
-# The tiers (markers registered in pyproject.toml). A folder that is a tier marks its tests;
-# a bare run (no paths, no -m) leaves out the tiers that have their own command in README, so
-# `python -m pytest -q` is the quick default; naming a file or folder, or `-m`, chooses instead.
-FOLDER_TIERS = {"models": "models", "integrations": "integrations"}
-OWN_COMMAND = ("slow", "models", "integrations")
+from tiers import select_tiers  # noqa: E402 - tests/ is on sys.path from here
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    for item in items:
-        folder = Path(str(item.path)).relative_to(ROOT / "tests").parts[0]
-        if folder in FOLDER_TIERS:
-            item.add_marker(FOLDER_TIERS[folder])
-    if config.args_source is not pytest.Config.ArgsSource.TESTPATHS or config.option.markexpr:
-        return
-    left_out = [item for item in items if any(item.get_closest_marker(tier) for tier in OWN_COMMAND)]
-    if left_out:
-        skipped = set(left_out)
-        config.hook.pytest_deselected(items=left_out)
-        items[:] = [item for item in items if item not in skipped]
+    select_tiers(config, items)  # tests/tiers.py
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The test tiers (tests/conftest.py, markers in pyproject.toml): a bare run leaves out the tiers
+"""The test tiers (tests/tiers.py, markers in pyproject.toml): a bare run leaves out the tiers
 with a command of their own, a path or ``-m`` chooses instead; and ``.ci/run`` runs exactly the
 test commands README's quick start gives."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import OWN_COMMAND, pytest_collection_modifyitems
+from tiers import OWN_COMMAND, select_tiers
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -29,7 +29,7 @@ def _select(args_source: pytest.Config.ArgsSource, markexpr: str = "") -> tuple[
     deselected: list = []
     config = SimpleNamespace(args_source=args_source, option=SimpleNamespace(markexpr=markexpr),
                              hook=SimpleNamespace(pytest_deselected=lambda items: deselected.extend(items)))
-    pytest_collection_modifyitems(config, items)
+    select_tiers(config, items)
     name = lambda i: f"{i.path.relative_to(ROOT / 'tests')}{sorted(i.markers)}"  # noqa: E731
     return [name(i) for i in items], [name(i) for i in deselected]
 
