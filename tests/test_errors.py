@@ -38,6 +38,10 @@ WHERE = (
     "autoshard.split_batch: ",
     "autoshard.batch_sizes: ",
     "autoshard.Cluster: ",
+    "set_gradient_divide_factor: ",
+    "AutoshardTrainer: ",  # autoshard.integrations: the class the user named
+    "AutoshardFabricStrategy",  # ": " or ".save_checkpoint: ", ".load_checkpoint: "
+    "AutoshardStrategy: ",
 )
 
 # (file, enclosing function, exception) -> why its message need not start with a WHERE.

@@ -115,7 +115,7 @@ def _split_state(state: dict[str, Any]) -> tuple[nn.Module, torch.optim.Optimize
     modules = [v for v in state.values() if isinstance(v, nn.Module)]
     optimizers = [getattr(v, "optimizer", v) for v in state.values() if isinstance(v, torch.optim.Optimizer)]
     if len(modules) != 1 or len(optimizers) > 1:
-        raise UsageError(f"autoshard's Lightning checkpoints hold one model and at most one optimizer; got {len(modules)} "
+        raise UsageError(f"AutoshardFabricStrategy: a checkpoint holds one model and at most one optimizer; got {len(modules)} "
                          f"and {len(optimizers)}. Save the others with their own fabric.save calls.")
     extra = {k: v for k, v in state.items() if not isinstance(v, (nn.Module, torch.optim.Optimizer))}
     return _unwrap(modules[0]), (optimizers or [None])[0], extra
