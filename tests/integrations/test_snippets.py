@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 from pathlib import Path
 
 import pytest
@@ -16,11 +17,18 @@ SNIPPETS = dict(re.findall(r"```python\n# snippet: (\w+)\n(.*?)```", DOC.read_te
 SAVES = {"hf": "out/final/model.safetensors", "fabric": "ckpt", "trainer": "trainer.ckpt"}
 
 
-def _run(code: str, folder: str) -> None:
+def _free_port() -> int:
+    # A fixed port failed a snippet now and then when it ran right after another (the port still taken).
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(code: str, folder: str, port: int) -> None:
     """As under torchrun: the environment launchers set, then the snippet as a script."""
     rank, world = dist.get_rank(), dist.get_world_size()
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), NODE_RANK="0",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29500", OMP_NUM_THREADS="1")
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     os.chdir(folder)
     exec(compile(code, "docs/integrations.md", "exec"), {"__name__": "__main__"})
 
@@ -31,5 +39,5 @@ def test_the_doc_has_a_snippet_per_framework() -> None:
 
 @pytest.mark.parametrize("name", sorted(SAVES))
 def test_snippet_runs_at_two_ranks(name: str, tmp_path: Path) -> None:
-    run_ranks(2, _run, SNIPPETS[name], str(tmp_path), timeout=300)
+    run_ranks(2, _run, SNIPPETS[name], str(tmp_path), _free_port(), timeout=300)
     assert (tmp_path / SAVES[name]).exists(), sorted(p.name for p in tmp_path.rglob("*"))
