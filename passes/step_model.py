@@ -2,7 +2,7 @@
 
 The scheduling pass compares candidate orders with these two numbers, so they are cheap
 (one scan of the order) and see only the graph: bytes held outside it (optimizer state)
-are the caller's to add. ``autoshard.tools.simulator`` plays the forward and backward
+are the caller's to add. ``autoshard.tools.sim.simulator`` plays the forward and backward
 together, with the cost model's overlap and slowdown, for reports.
 """
 from __future__ import annotations
