@@ -9,6 +9,10 @@ import os
 from typing import Any
 
 import pytest
+
+pytest.importorskip("transformers", reason="the integrations tier needs its extra: pip install -e '.[integrations]'")
+pytest.importorskip("accelerate", reason="the integrations tier needs its extra: pip install -e '.[integrations]'")
+
 import torch
 import transformers as tf
 

@@ -8,6 +8,8 @@ from typing import Any
 
 import pytest
 
+pytest.importorskip("lightning", reason="the integrations tier needs its extra: pip install -e '.[integrations]'")
+
 from autoshard.tools.launch import run_ranks
 
 import lightning_run

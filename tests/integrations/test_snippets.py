@@ -8,6 +8,11 @@ import socket
 from pathlib import Path
 
 import pytest
+
+pytest.importorskip("transformers", reason="the integrations tier needs its extra: pip install -e '.[integrations]'")
+pytest.importorskip("accelerate", reason="the integrations tier needs its extra: pip install -e '.[integrations]'")
+pytest.importorskip("lightning", reason="the integrations tier needs its extra: pip install -e '.[integrations]'")
+
 import torch.distributed as dist
 
 from autoshard.tools.launch import run_ranks
