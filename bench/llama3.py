@@ -7,7 +7,6 @@ architecture; nothing here is copied from torchtitan.
 """
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass
 from functools import partial
 
@@ -47,7 +46,7 @@ def _op_policy(counts: dict[str, int], ctx, func, *args, **kwargs) -> Checkpoint
     """torchtitan's op-level selective AC: save what ``_SAVE`` names except every second mm."""
     if func is torch.ops.aten.mm.default:
         key = "recompute" if ctx.is_recompute else "forward"
-        counts[key] += 1
+        counts[key] = counts.get(key, 0) + 1  # a plain dict: torch 2.11's Dynamo read a defaultdict as a dict (KeyError)
         if counts[key] % 2 == 0:
             return CheckpointPolicy.PREFER_RECOMPUTE
     return CheckpointPolicy.MUST_SAVE if func in _SAVE else CheckpointPolicy.PREFER_RECOMPUTE
@@ -125,7 +124,7 @@ class Block(nn.Module):
         # A fresh counter per call, as torchtitan builds one per block.
         context = None
         if self.ac == "selective":
-            context = partial(create_selective_checkpoint_contexts, partial(_op_policy, defaultdict(int)))
+            context = partial(create_selective_checkpoint_contexts, partial(_op_policy, {}))
         kwargs = {"context_fn": context} if context else {}
         return checkpoint(self._forward, x, cos, sin, use_reentrant=False, **kwargs)
 
