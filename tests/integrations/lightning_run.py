@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from launch_env import as_launched
 from models import batch, build
 
 STEPS, ACCUMULATION, GLOBAL_BATCH = 4, 2, 4
@@ -22,12 +23,9 @@ def _data(steps: int = STEPS) -> TensorDataset:
 
 
 def _world() -> int:
-    """This launch's ranks, with the environment Lightning reads to join them (no launcher of its own)."""
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    if world > 1:
-        os.environ.update(LOCAL_RANK=str(dist.get_rank()), NODE_RANK="0", WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT="29500", LOCAL_WORLD_SIZE=str(world))
-    return world
+    """This launch's ranks, with the environment Lightning reads to join them (no launcher of its
+    own; the group exists already, so Lightning opens no port and any port will do)."""
+    return as_launched(29500) if dist.is_initialized() and dist.get_world_size() > 1 else 1
 
 
 def _mean_over_ranks(values: list[torch.Tensor]) -> list[float]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 from pathlib import Path
 
 import pytest
@@ -13,27 +12,19 @@ pytest.importorskip("transformers", reason="the integrations tier needs its extr
 pytest.importorskip("accelerate", reason="the integrations tier needs its extra: pip install -e '.[integrations]'")
 pytest.importorskip("lightning", reason="the integrations tier needs its extra: pip install -e '.[integrations]'")
 
-import torch.distributed as dist
 
 from autoshard.tools.launch import run_ranks
+
+from launch_env import as_launched, free_port
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "integrations.md"
 SNIPPETS = dict(re.findall(r"```python\n# snippet: (\w+)\n(.*?)```", DOC.read_text(), flags=re.S))
 SAVES = {"hf": "out/final/model.safetensors", "fabric": "ckpt", "trainer": "trainer.ckpt"}
 
 
-def _free_port() -> int:
-    # A fixed port failed a snippet now and then when it ran right after another (the port still taken).
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(code: str, folder: str, port: int) -> None:
     """As under torchrun: the environment launchers set, then the snippet as a script."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), NODE_RANK="0",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    as_launched(port)
     os.chdir(folder)
     exec(compile(code, "docs/integrations.md", "exec"), {"__name__": "__main__"})
 
@@ -44,5 +35,5 @@ def test_the_doc_has_a_snippet_per_framework() -> None:
 
 @pytest.mark.parametrize("name", sorted(SAVES))
 def test_snippet_runs_at_two_ranks(name: str, tmp_path: Path) -> None:
-    run_ranks(2, _run, SNIPPETS[name], str(tmp_path), _free_port(), timeout=300)
+    run_ranks(2, _run, SNIPPETS[name], str(tmp_path), free_port(), timeout=300)
     assert (tmp_path / SAVES[name]).exists(), sorted(p.name for p in tmp_path.rglob("*"))
