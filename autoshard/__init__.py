@@ -13,6 +13,7 @@ from autoshard.runtime.batch_shares import batch_sizes, set_batch_shares, split_
 from autoshard.runtime.checkpoint import full_state_dict, load, save
 from autoshard.runtime.errors import (
     AutoshardError,
+    CheckpointError,
     InflightCapError,
     OverBudgetError,
     PlanMismatchError,
@@ -34,7 +35,7 @@ from autoshard.tools.sim.cluster import Cluster, NodeGroup
 # launcher and the annotation ops stay reachable (autoshard.launch.run_ranks, autoshard.ops) for
 # the tests and benchmarks, but are not part of it.
 __all__ = [
-    "AutoshardError", "Cluster", "InflightCapError", "MixedPrecision", "NodeGroup", "OverBudgetError", "Plan",
+    "AutoshardError", "CheckpointError", "Cluster", "InflightCapError", "MixedPrecision", "NodeGroup", "OverBudgetError", "Plan",
     "PlanMismatchError", "RankFailedError", "Report", "ShardLayout", "UsageError", "batch_sizes", "explain", "explain_graphs",
     "full_state_dict", "full_tensor", "is_sharded", "load", "materialize", "plan", "save", "set_batch_shares", "shard",
     "split_batch",

@@ -1,16 +1,37 @@
-"""One convention for every error a user can meet: ``"<where>: <what is wrong>; <how to fix it>."``
+"""One convention for every error a user can meet: ``"<where>: <what is wrong>; <how to fix it>."``,
+raised as one of autoshard's types (``autoshard.errors``: a usage mistake is a ``UsageError``).
 
 ``<where>`` names what the user called (``autoshard.shard``, ``autoshard option 'bucket_mb'``,
-``autoshard explain``, ...). This test reads the source, not the behaviour: it walks every
-``raise X("...")`` / ``raise X(f"...")`` in ``autoshard/`` and ``passes/`` and checks the static start of
-the message against :data:`WHERE`. Raises that are not user-facing errors of their own are
-listed in :data:`INTERNAL`, each with the reason.
+``autoshard explain``, ...). The first tests read the source, not the behaviour: they walk every
+``raise X("...")`` / ``raise X(f"...")`` in ``autoshard/`` and ``passes/`` and check the static start of
+the message against :data:`WHERE` and ``X`` against the error types. Raises that are not user-facing
+errors of their own are listed in :data:`INTERNAL`, builtin errors a user can meet in
+:data:`BUILTIN`, each with the reason. The last tests make the mistakes and catch them by type.
 """
 from __future__ import annotations
 
 import ast
 import itertools
 from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import autoshard
+from autoshard.compiler.cost_model import get_profile
+from autoshard.runtime import errors
+from autoshard.runtime.errors import (
+    AutoshardError,
+    CheckpointError,
+    CheckpointNotFoundError,
+    CheckpointReadError,
+    UsageError,
+    UsageTypeError,
+)
+from autoshard.runtime.grad_sync import set_requires_gradient_sync
+
+from fake_pg import fake_world
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -56,7 +77,7 @@ INTERNAL = {
         "internal: the kinds come from graph_utils.collective_kind and calibrate, never from a user",
     ("autoshard/compiler/pipeline.py", "check_order", "ValueError"):
         "internal: checked at import; a developer's misordered pass list (tests/test_pipeline.py), not a user's call",
-    ("autoshard/compiler/cost_model.py", "get_profile", "ValueError"):
+    ("autoshard/compiler/cost_model.py", "get_profile", "UsageError"):
         "a suffix: the user names a profile through the option, and options.py raises \"autoshard option 'profile': <this>\"",
     ("autoshard/runtime/checkpoint.py", "find_class", "pickle.UnpicklingError"):
         "wrapped by _read_checked: \"autoshard.load: checkpoint P: cannot read .metadata: <this>; ...\"",
@@ -64,6 +85,19 @@ INTERNAL = {
         "wrapped at once: \"autoshard explain: cannot load F from P: FileNotFoundError: <this>\"",
     ("autoshard/tools/explain.py", "_shape", "argparse.ArgumentTypeError"):
         "argparse frames it: \"autoshard explain: error: argument --input-shape: <this>\"",
+}
+
+# Raises a user can meet that are builtin errors, not autoshard's types (every other one not in
+# INTERNAL is an AutoshardError: a usage mistake a UsageError): (file, function, exception) -> why.
+BUILTIN = {
+    ("autoshard/tools/launch.py", "run_ranks", "RuntimeError"):
+        "what happened while running: a launched rank failed; its own error, shown first, says why",
+    ("autoshard/tools/launch.py", "run_ranks", "TimeoutError"):
+        "what happened while running: ranks still running at the timeout (a hang, or a slow job)",
+    ("autoshard/compiler/consistency.py", "_wait_for_plans", "RuntimeError"):
+        "what happened while running: not every rank compiled the graph before the timeout",
+    ("passes/unbatch.py", "unbatch_annotations", "ValueError"):
+        "internal: a pass before unbatch_annotations read a batch whole; the pipeline's order, not a user's call",
 }
 
 # Messages that start with an argument naming the API: (file, argument) -> the functions that
@@ -182,3 +216,96 @@ def test_apis_that_name_themselves_in_messages_are_given_a_where():
                 and isinstance(what, ast.Name) and what.id == "what":
             continue  # passing its own argument on
         assert isinstance(what, ast.Constant) and f"{what.value}: ".startswith(WHERE), f"{path}:{call.lineno}: {ast.unparse(call)}"
+
+
+def _error_types() -> set[str]:
+    return {name for name, value in vars(errors).items() if isinstance(value, type) and issubclass(value, AutoshardError)}
+
+
+def test_every_user_facing_raise_is_one_of_autoshards_error_types():
+    protocol = ("__getattr__", "AttributeError")  # a module's or class's __getattr__ must raise it
+    bad = [f"{path}:{raise_.lineno} ({function}) {exception}" for path, function, exception, raise_ in _all_raises()
+           if exception not in _error_types() and (path, function, exception) not in {**INTERNAL, **BUILTIN}
+           and (function, exception) != protocol]
+    assert not bad, ("raise one of autoshard.errors' types (a usage mistake: UsageError; a checkpoint autoshard.load "
+                     "cannot take: CheckpointError), or list the raise in INTERNAL or BUILTIN with the reason:\n" + "\n".join(bad))
+    present = {(path, function, exception) for path, function, exception, _ in _all_raises()}
+    assert not set(BUILTIN) - present, f"stale BUILTIN entries: {sorted(set(BUILTIN) - present)}"
+
+
+def test_the_error_types_keep_the_builtins_they_replaced():
+    """``except ValueError`` (``TypeError``, ``FileNotFoundError``, ``RuntimeError``) in user code
+    still catches what autoshard raised as that builtin before it had types."""
+    assert issubclass(UsageError, ValueError) and issubclass(UsageTypeError, (UsageError, TypeError))
+    assert issubclass(CheckpointError, ValueError) and issubclass(CheckpointNotFoundError, (CheckpointError, FileNotFoundError))
+    assert issubclass(CheckpointReadError, (CheckpointError, RuntimeError))
+    assert autoshard.CheckpointError is CheckpointError and "CheckpointError" in autoshard.__all__
+
+
+# The mistakes themselves, one or more per module that raises them: caught by type, then by words.
+
+def test_shard_mistakes_are_usage_errors():
+    with pytest.raises(UsageError, match=r"^autoshard\.shard: strategy must be one of"):
+        autoshard.shard(nn.Linear(2, 2), strategy="sideways")
+    with pytest.raises(UsageError, match=r"^autoshard\.shard: reshard_after_forward must be True, False or None"):
+        autoshard.shard(nn.Linear(2, 2), reshard_after_forward=1)
+    with pytest.raises(UsageError, match=r"^autoshard\.shard: mixed_precision must be an autoshard\.MixedPrecision"):
+        autoshard.shard(nn.Linear(2, 2), mixed_precision=torch.bfloat16)
+
+
+def test_mixed_precision_mistakes_are_usage_errors():
+    with pytest.raises(UsageError, match=r"^autoshard\.MixedPrecision: param_dtype must be a floating-point torch\.dtype"):
+        autoshard.MixedPrecision(param_dtype=torch.int32)
+
+
+def test_materialize_mistakes_are_usage_errors():
+    with pytest.raises(UsageError, match=r"^autoshard\.materialize: Linear is not sharded; call autoshard\.shard"):
+        autoshard.materialize(nn.Linear(2, 2), "cpu")
+
+
+def test_gradient_sync_mistakes_are_usage_errors():
+    with pytest.raises(UsageError, match=r"^set_requires_gradient_sync: requires_gradient_sync must be True or False"):
+        set_requires_gradient_sync([nn.Linear(2, 2)], 1)
+
+
+def test_profile_mistakes_are_usage_errors(tmp_path):
+    with pytest.raises(UsageError, match=r"^unknown device profile 'tpu9'; use one of"):
+        get_profile("tpu9")
+    (tmp_path / "broken.json").write_text("{")
+    with pytest.raises(UsageError, match=r"^cannot read device profile .*broken\.json.*autoshard calibrate --out"):
+        get_profile(str(tmp_path / "broken.json"))
+
+
+def test_explain_mistakes_are_usage_errors():
+    with pytest.raises(UsageTypeError, match=r"^autoshard\.explain: expected an nn\.Module or a callable returning one, got int"):
+        autoshard.explain(3, torch.zeros(1, 2))
+    with fake_world(2), pytest.raises(UsageError, match=r"^autoshard\.explain: a process group is initialised"):
+        autoshard.explain(lambda: nn.Linear(2, 2), torch.zeros(1, 2))
+
+
+def test_save_mistakes_are_usage_errors(tmp_path):
+    model = nn.Linear(2, 2)
+    with pytest.raises(UsageTypeError, match=r"^autoshard\.save: extra must be a dict with str keys, got list"):
+        autoshard.save(tmp_path / "ckpt", model, extra=[1])
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("keep me")
+    with pytest.raises(UsageError, match=r"^autoshard\.save: .*notes exists and is not an autoshard checkpoint"):
+        autoshard.save(tmp_path / "notes", model)
+    assert (tmp_path / "notes" / "todo.txt").read_text() == "keep me"
+
+
+def test_a_checkpoint_load_cannot_take_is_a_checkpoint_error(tmp_path):
+    with pytest.raises(CheckpointNotFoundError, match=r"^autoshard\.load: no checkpoint at"):
+        autoshard.load(tmp_path / "nowhere", nn.Linear(2, 2))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match=r"^autoshard\.load: .*empty is not a complete autoshard checkpoint"):
+        autoshard.load(tmp_path / "empty", nn.Linear(2, 2))
+    autoshard.save(tmp_path / "ckpt", nn.Linear(2, 2))
+    other = nn.Linear(2, 3)
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    with pytest.raises(CheckpointError, match=r"does not match the model/optimizer: mismatched \(2\): model\.bias"):
+        autoshard.load(tmp_path / "ckpt", other)
+    assert all(torch.equal(before[k], v) for k, v in other.state_dict().items())  # unchanged
+    (tmp_path / "ckpt" / ".metadata").write_bytes(b"truncated")
+    with pytest.raises(CheckpointError, match=r"\.metadata is missing, truncated or corrupted \(checksum differs\)"):
+        autoshard.load(tmp_path / "ckpt", nn.Linear(2, 2))

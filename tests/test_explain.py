@@ -231,7 +231,7 @@ def test_the_chrome_trace_has_an_event_per_collective_and_compute_group(report, 
 
 def test_explain_leaves_no_process_group_and_refuses_a_live_one(report):
     assert not dist.is_initialized()
-    with fake_world(2), pytest.raises(RuntimeError, match="own fake process group"):
+    with fake_world(2), pytest.raises(UsageError, match="own fake process group"):
         autoshard.explain(build_model, torch.zeros(1, 8, dtype=torch.long))
 
 

@@ -38,6 +38,7 @@ from autoshard.passes.graph_utils import (
     tensors,
 )
 from autoshard.passes.schedule_config import CollectiveMemory, ScheduleConfig
+from autoshard.runtime.errors import UsageError
 from autoshard.runtime.expert_ops import EXPERT_PARALLEL, EXPERT_PARALLEL_BACKWARD
 from autoshard.runtime.ops import arguments
 
@@ -58,10 +59,10 @@ def get_profile(name: str | DeviceProfile) -> DeviceProfile:
         try:
             return DeviceProfile.from_json(Path(name).read_text())
         except (OSError, ValueError, TypeError, KeyError) as e:
-            raise ValueError(
+            raise UsageError(
                 f"cannot read device profile {name!r}: {e}; write one with `autoshard calibrate --out {name}`."
             ) from None
-    raise ValueError(f"unknown device profile {name!r}; use one of {sorted(PROFILES)} or a .json profile file.")
+    raise UsageError(f"unknown device profile {name!r}; use one of {sorted(PROFILES)} or a .json profile file.")
 
 
 # The CPU attention kernels that the flop counter's registry lacks, with the formulas of

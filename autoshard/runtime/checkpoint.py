@@ -20,8 +20,9 @@ Guarantees:
   the checkpoint's keys, shapes and dtypes against what the model and optimizer expect (the
   error names missing, unexpected and mismatched keys). Tensors are read into temporaries and
   copied into the model and optimizer only after everything succeeded: a failed ``load``
-  raises ``ValueError`` (bad or mismatched checkpoint) or ``RuntimeError`` (read failure) and
-  leaves both unchanged.
+  raises ``autoshard.CheckpointError`` (a ``ValueError``: bad or mismatched checkpoint; its
+  ``CheckpointNotFoundError`` is also a ``FileNotFoundError``, its ``CheckpointReadError``, for a
+  read failure, also a ``RuntimeError``) and leaves both unchanged.
 * **No code runs from the checkpoint.** DCP (torch 2.13) unpickles ``.metadata`` with plain
   ``pickle.load`` and non-tensor values with ``torch.load(weights_only=False)``. Here an
   unpickler resolving only an allowlist (DCP's metadata dataclasses, ``torch.Size``, dtypes,
@@ -55,6 +56,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from autoshard._compat import DCP_METADATA_CLASSES
 from autoshard.runtime.checkpoint_state import _FLAT, _local_state_dict, _state_dict, full_state_dict
+from autoshard.runtime.errors import CheckpointError, CheckpointNotFoundError, CheckpointReadError, UsageError, UsageTypeError
 from autoshard.runtime.fail_together import fail_together
 from autoshard.runtime.shard import parameters_as_shards
 from autoshard.runtime.state_shares import even_like, from_even, uneven_rows
@@ -164,15 +166,15 @@ def _pack(extra: dict[str, Any]) -> bytes:
     """``extra`` as bytes that ``torch.load(weights_only=True)`` reads back, checked now: a
     value it could not read later (a function, an arbitrary object) fails the save, not the load."""
     if not isinstance(extra, dict) or not all(isinstance(k, str) for k in extra):
-        raise TypeError(f"autoshard.save: extra must be a dict with str keys, got {type(extra).__name__}; "
-                        "pass e.g. extra={'step': step, 'scheduler': scheduler.state_dict()}.")
+        raise UsageTypeError(f"autoshard.save: extra must be a dict with str keys, got {type(extra).__name__}; "
+                             "pass e.g. extra={'step': step, 'scheduler': scheduler.state_dict()}.")
     buffer = io.BytesIO()
     try:
         torch.save(extra, buffer)
         torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
     except Exception as e:
-        raise TypeError(f"autoshard.save: extra must hold only plain data and tensors (what torch.load(weights_only=True) "
-                        f"reads: numbers, strings, lists, dicts, tensors); save an object's state_dict() instead: {e}") from None
+        raise UsageTypeError(f"autoshard.save: extra must hold only plain data and tensors (what torch.load(weights_only=True) "
+                             f"reads: numbers, strings, lists, dicts, tensors); save an object's state_dict() instead: {e}") from None
     return buffer.getvalue()
 
 
@@ -190,12 +192,12 @@ def save(
     plain data and tensors, the same on every rank; :func:`load` returns it. Each rank writes
     its own shards. ``path`` is replaced atomically: until the new checkpoint
     is complete, the previous one stays loadable. An existing ``path`` that is not a checkpoint
-    is never replaced (``ValueError``). ``model`` may be the sharded module or its compiled
+    is never replaced (``UsageError``). ``model`` may be the sharded module or its compiled
     wrapper: the keys are the same. An existing empty directory is fine.
 
     If it fails on one rank, it fails on every rank within seconds (see
     :mod:`autoshard.fail_together`): the rank that failed raises its error, the others a
-    ``RuntimeError`` naming it.
+    ``RankFailedError`` naming it.
     """
     with fail_together("autoshard.save") as link:
         _save(Path(path), model, optimizer, extra, link.group)
@@ -211,7 +213,7 @@ def _save(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,
         state[_EXTRA] = packed
     empty_dir = path.is_dir() and not any(path.iterdir())
     if path.exists() and not empty_dir and not (path / _MANIFEST).exists():  # checked on every rank: all raise
-        raise ValueError(f"autoshard.save: {path} exists and is not an autoshard checkpoint; not replacing it "
+        raise UsageError(f"autoshard.save: {path} exists and is not an autoshard checkpoint; not replacing it "
                          "(an empty directory is fine): pass a new path or remove it.")
     if rank == 0:
         if old.exists() and not path.exists():  # an earlier save crashed between its renames
@@ -240,19 +242,19 @@ def _read_checked(path: Path) -> tuple[dict[str, list[int]], Metadata]:
     try:
         files = json.loads((path / _MANIFEST).read_text())["files"]
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"autoshard.load: {path} is not a complete autoshard checkpoint: no valid {_MANIFEST} ({e}); "
+        raise CheckpointError(f"autoshard.load: {path} is not a complete autoshard checkpoint: no valid {_MANIFEST} ({e}); "
                          "pass a directory that autoshard.save completed.") from e
     if _checksum(path / _METADATA) != files.get(_METADATA):
-        raise ValueError(f"autoshard.load: checkpoint {path}: {_METADATA} is missing, truncated or corrupted (checksum differs); "
+        raise CheckpointError(f"autoshard.load: checkpoint {path}: {_METADATA} is missing, truncated or corrupted (checksum differs); "
                          "restore the checkpoint from a copy or load an earlier one.")
     try:
         with open(path / _METADATA, "rb") as f:
             metadata = _MetadataUnpickler(f).load()
     except Exception as e:
-        raise ValueError(f"autoshard.load: checkpoint {path}: cannot read {_METADATA}: {e}; load only checkpoints that "
+        raise CheckpointError(f"autoshard.load: checkpoint {path}: cannot read {_METADATA}: {e}; load only checkpoints that "
                          "autoshard.save wrote (restore this one from a copy).") from e
     if not isinstance(metadata, Metadata):
-        raise ValueError(f"autoshard.load: checkpoint {path}: {_METADATA} holds {type(metadata).__name__}, not DCP Metadata; "
+        raise CheckpointError(f"autoshard.load: checkpoint {path}: {_METADATA} holds {type(metadata).__name__}, not DCP Metadata; "
                          "load only checkpoints that autoshard.save wrote.")
     return files, metadata
 
@@ -263,7 +265,7 @@ def _listing(kind: str, keys: list[str]) -> str:
 
 
 def _compare(path: Path, expected: dict[str, Any], metadata: Metadata, prefixes: tuple[str, ...]) -> None:
-    """Raise ValueError naming every key the checkpoint lacks, adds or stores differently."""
+    """Raise CheckpointError naming every key the checkpoint lacks, adds or stores differently."""
     stored = metadata.state_dict_metadata
     missing = sorted(k for k in expected if k not in stored)
     unexpected = sorted(k for k in stored if k.startswith(prefixes) and k not in expected)
@@ -283,7 +285,7 @@ def _compare(path: Path, expected: dict[str, Any], metadata: Metadata, prefixes:
     problems = [_listing(kind, keys) for kind, keys in
                 (("missing", missing), ("unexpected", unexpected), ("mismatched", sorted(mismatched))) if keys]
     if problems:
-        raise ValueError(f"autoshard.load: checkpoint {path} does not match the model/optimizer: " + "; ".join(problems)
+        raise CheckpointError(f"autoshard.load: checkpoint {path} does not match the model/optimizer: " + "; ".join(problems)
                          + "; build the model (and optimizer) as the saving run did, then load.")
 
 
@@ -296,12 +298,12 @@ def _verify_files(path: Path, files: dict[str, list[int]], metadata: Metadata, g
     names = sorted(set(files) | set(where))
     outside = [n for n in names if Path(n).name != n or n in ("", ".", "..")]
     if outside:
-        raise ValueError(f"autoshard.load: checkpoint {path}: files outside the checkpoint directory: {outside}; not reading "
+        raise CheckpointError(f"autoshard.load: checkpoint {path}: files outside the checkpoint directory: {outside}; not reading "
                          "them: load only checkpoints that autoshard.save wrote.")
     bad = _on_all_ranks([n for n in names[rank::world] if n not in files or _checksum(path / n) != files[n]], group)
     if bad:
         keys = sorted(k for n in bad for k in where.get(n, ()))
-        raise ValueError(f"autoshard.load: checkpoint {path}: files {bad} are missing, truncated or corrupted "
+        raise CheckpointError(f"autoshard.load: checkpoint {path}: files {bad} are missing, truncated or corrupted "
                          f"(size or CRC32 differs from {_MANIFEST}); " + _listing("keys stored there", keys)
                          + "; restore the checkpoint from a copy or load an earlier one.")
 
@@ -328,7 +330,7 @@ def _load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,
     if not (path / _MANIFEST).exists() and old.exists():
         path = old  # a save crashed after moving the previous checkpoint aside
     if not path.exists():
-        raise FileNotFoundError(f"autoshard.load: no checkpoint at {path}; pass the directory given to autoshard.save.")
+        raise CheckpointNotFoundError(f"autoshard.load: no checkpoint at {path}; pass the directory given to autoshard.save.")
     fresh = optimizer is not None and not optimizer.state
     grads = {}
     if fresh:  # DCP initialises empty optimizer state with a zero-lr step, which needs no grads
@@ -350,8 +352,8 @@ def _load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,
                 dcp.load(loaded, storage_reader=_Reader(path, metadata), planner=_Planner(), no_dist=not _distributed(),
                          process_group=group)
         except dcp.CheckpointException as e:  # a BaseException: make it an ordinary error
-            raise RuntimeError(f"autoshard.load: reading checkpoint {path} failed: {e}; the model and optimizer are unchanged: "
-                                   "fix what DCP reports and load again.") from None
+            raise CheckpointReadError(f"autoshard.load: reading checkpoint {path} failed: {e}; the model and optimizer are "
+                                      "unchanged: fix what DCP reports and load again.") from None
     except BaseException:
         if fresh:
             optimizer.state.clear()  # back to the empty state it had

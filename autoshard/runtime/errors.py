@@ -15,6 +15,11 @@ class UsageError(AutoshardError, ValueError):
     """A bad argument or option: a value, a combination or a model autoshard cannot take."""
 
 
+class UsageTypeError(UsageError, TypeError):
+    """A :class:`UsageError` where a ``TypeError`` was raised before (an argument of the wrong
+    type): ``except TypeError`` keeps catching it."""
+
+
 class OverBudgetError(AutoshardError, ValueError):
     """No schedule (or plan) fits the memory budget. ``smallest_bytes``: the least that fits,
     when known."""
@@ -44,3 +49,18 @@ class PlanMismatchError(AutoshardError, RuntimeError):
 
 class RankFailedError(AutoshardError, RuntimeError):
     """Another rank failed (compiling or in a collective step); this one stops too."""
+
+
+class CheckpointError(AutoshardError, ValueError):
+    """A checkpoint ``autoshard.load`` cannot take: incomplete, corrupted (a file's size or
+    checksum differs), not written by ``autoshard.save``, or not matching the model/optimizer
+    (missing, unexpected or mismatched keys). The model and optimizer are left unchanged."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """No checkpoint at the path given to ``autoshard.load``."""
+
+
+class CheckpointReadError(CheckpointError, RuntimeError):
+    """Reading a checkpoint that passed every check failed (DCP's error inside); the model and
+    optimizer are left unchanged."""

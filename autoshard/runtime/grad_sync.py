@@ -25,6 +25,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from autoshard.runtime import leaves, ops
+from autoshard.runtime.errors import UsageError
 
 SYNC = leaves.SYNC  # on each module owning sharded parameters: whether backward reduces
 SINKS = "_autoshard_sinks"  # on the same modules: parameter name -> sink tensor
@@ -115,7 +116,7 @@ def set_requires_gradient_sync(modules: Iterable[nn.Module], requires_gradient_s
     the same order), as every rank runs the same training loop.
     """
     if not isinstance(requires_gradient_sync, bool):
-        raise ValueError(f"set_requires_gradient_sync: requires_gradient_sync must be True or False, got {requires_gradient_sync!r}; "
+        raise UsageError(f"set_requires_gradient_sync: requires_gradient_sync must be True or False, got {requires_gradient_sync!r}; "
                          "pass a bool, e.g. set_requires_gradient_sync(i == len(micro_batches) - 1).")
     owners = [m for m in modules if hasattr(m, "_autoshard_specs")]
     if requires_gradient_sync:

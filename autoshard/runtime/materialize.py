@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
 from autoshard.runtime.batch_shares import refill_weight
+from autoshard.runtime.errors import UsageError
 from autoshard.runtime.layout import local_chunk
 from autoshard.runtime.shard import ShardedModule, parameters_as_shards
 
@@ -105,7 +106,7 @@ def materialize(module: nn.Module, device: torch.device | str, init: Callable[[n
     fill it, as with FSDP2. Build the optimizer after this.
     """
     if not isinstance(module, ShardedModule):
-        raise ValueError(
+        raise UsageError(
             f"autoshard.materialize: {type(module).__name__} is not sharded; call autoshard.shard(module) first "
             "(build it under torch.device('meta'), shard it, then materialize it)."
         )

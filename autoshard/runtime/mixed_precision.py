@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from autoshard._compat import tree_map_only
+from autoshard.runtime.errors import UsageError
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,7 @@ class MixedPrecision:
         for field in ("param_dtype", "reduce_dtype"):
             dtype = getattr(self, field)
             if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-                raise ValueError(f"autoshard.MixedPrecision: {field} must be a floating-point torch.dtype or None, got {dtype!r}; "
+                raise UsageError(f"autoshard.MixedPrecision: {field} must be a floating-point torch.dtype or None, got {dtype!r}; "
                                  "pass e.g. torch.bfloat16, or None to keep the dtype as it is.")
 
 

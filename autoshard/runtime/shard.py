@@ -73,19 +73,19 @@ def _planned(module: nn.Module, given: Any, mesh: DeviceMesh | None, strategy: s
         raise UsageError(f"autoshard.shard: plan= takes an autoshard.Plan or a ShardLayout, got {type(given).__name__}; "
                          "make one with autoshard.plan.")
     if mesh is not None or strategy != "full" or mixed_precision is not None or experts != "gathered":
-        raise ValueError("autoshard.shard: pass either plan= or mesh/strategy/mixed_precision/experts, not both: the plan chooses them.")
+        raise UsageError("autoshard.shard: pass either plan= or mesh/strategy/mixed_precision/experts, not both: the plan chooses them.")
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world != plan.world_size:
-        raise ValueError(f"autoshard.shard: the plan was made for {plan.world_size} ranks but this process group has {world}; "
+        raise UsageError(f"autoshard.shard: the plan was made for {plan.world_size} ranks but this process group has {world}; "
                          f"plan again with world_size={world}.")
     if getattr(module, _SHARDED, False):
         _check(module, None, "full", None, None)  # raises that it is sharded already, before a block changes
     if {plan.strategy, plan.block_strategy or plan.strategy} - set(STRATEGIES):
-        raise ValueError(f"autoshard.shard: the plan's strategies must be among {STRATEGIES}, got {plan.strategy!r} and "
+        raise UsageError(f"autoshard.shard: the plan's strategies must be among {STRATEGIES}, got {plan.strategy!r} and "
                          f"{plan.block_strategy!r}; plan again with autoshard.plan.")
     missing = [name for name in plan.blocks if not _has(module, name)]
     if missing:
-        raise ValueError(f"autoshard.shard: the plan lays out {missing[0]!r}, which {type(module).__name__} does not have; "
+        raise UsageError(f"autoshard.shard: the plan lays out {missing[0]!r}, which {type(module).__name__} does not have; "
                          "plan again for this model.")
     for planned in dict.fromkeys((plan.strategy, plan.block_strategy or plan.strategy)):
         _state_fractions(state_shares, planned, plan.experts)  # refused before a block changes
@@ -145,25 +145,25 @@ def _check(
     module: nn.Module, mesh: DeviceMesh | None, strategy: str, reshard_after_forward: bool | None, mixed_precision: MixedPrecision | None
 ) -> None:
     if getattr(module, _SHARDED, False):
-        raise ValueError(
+        raise UsageError(
             f"autoshard.shard: {type(module).__name__} is already sharded; call autoshard.shard once per module "
             "(to shard blocks separately, shard each block first, then the root)."
         )
     if strategy not in STRATEGIES:
-        raise ValueError(f"autoshard.shard: strategy must be one of {STRATEGIES}, got {strategy!r}.")
+        raise UsageError(f"autoshard.shard: strategy must be one of {STRATEGIES}, got {strategy!r}.")
     if not (reshard_after_forward is None or isinstance(reshard_after_forward, bool)):  # 1 == True: not `in (None, True, False)`
-        raise ValueError(f"autoshard.shard: reshard_after_forward must be True, False or None, got {reshard_after_forward!r}.")
+        raise UsageError(f"autoshard.shard: reshard_after_forward must be True, False or None, got {reshard_after_forward!r}.")
     if reshard_after_forward and strategy in ("grad_op", "replicate"):
-        raise ValueError(
+        raise UsageError(
             f"autoshard.shard: strategy={strategy!r} keeps full parameters from forward to backward, which "
             "reshard_after_forward=True contradicts; use strategy='full' (or 'hybrid') to reshard, or leave reshard_after_forward unset."
         )
     if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
-        raise ValueError(f"autoshard.shard: mixed_precision must be an autoshard.MixedPrecision, got {type(mixed_precision).__name__}; "
+        raise UsageError(f"autoshard.shard: mixed_precision must be an autoshard.MixedPrecision, got {type(mixed_precision).__name__}; "
                          "pass e.g. mixed_precision=autoshard.MixedPrecision(param_dtype=torch.bfloat16).")
     dims = 2 if strategy == "hybrid" else 1
     if strategy == "hybrid" and mesh is None:
-        raise ValueError(
+        raise UsageError(
             "autoshard.shard: strategy='hybrid' needs a 2-D mesh; pass mesh=init_device_mesh(device_type, (replicas, shard_size)): "
             "parameters are sharded over the second dimension and replicated over the first."
         )
@@ -171,15 +171,15 @@ def _check(
         return
     if mesh.ndim != dims:
         shape = "(replicas, shard_size)" if dims == 2 else "(world_size,)"
-        raise ValueError(
+        raise UsageError(
             f"autoshard.shard: strategy={strategy!r} needs a {dims}-D DeviceMesh, got {mesh.ndim}-D {mesh}; "
             f"use init_device_mesh(device_type, {shape})."
         )
     if not dist.is_initialized():
-        raise ValueError("autoshard.shard: a mesh was given but no process group is initialised; call init_process_group first "
+        raise UsageError("autoshard.shard: a mesh was given but no process group is initialised; call init_process_group first "
                          "(or pass no mesh to run as one process).")
     if mesh.size() != dist.get_world_size():
-        raise ValueError(
+        raise UsageError(
             f"autoshard.shard: mesh has {mesh.size()} ranks but the process group has {dist.get_world_size()}; "
             "pass a mesh over all ranks, e.g. init_device_mesh(device_type, (world_size,))."
         )
@@ -252,7 +252,7 @@ def shard(
     the same values (same seed), or build on the meta device and call
     :func:`autoshard.materialize` afterwards. Before anything changes, one all-gather of a hash
     checks that every rank shards the same structure (names, shapes, dtypes, strategy, mesh);
-    if not, every rank raises the same ``ValueError`` naming the first difference.
+    if not, every rank raises the same ``UsageError`` naming the first difference.
     """
     if plan is not None:
         if state_shares is None:
@@ -323,7 +323,7 @@ def _plan(
             param = getattr(param, _SHARDED_AS, param)
             if isinstance(param, DTensor):
                 if not hasattr(param, _SPEC):
-                    raise ValueError(
+                    raise UsageError(
                         f"autoshard.shard: parameter {fqn!r} is a DTensor that autoshard did not create; "
                         "pass a module with plain parameters."
                     )

@@ -26,7 +26,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from autoshard._compat import fake_process_group, fake_tensor_mode, tree_leaves
 from autoshard.compiler.dump import recording
 from autoshard.compiler.options import SCHEDULES, parse_options
-from autoshard.runtime.errors import UsageError
+from autoshard.runtime.errors import UsageError, UsageTypeError
 from autoshard.runtime.shard import is_sharded, shard
 from autoshard.tools.plan.shares import play
 from autoshard.tools.report.report import Report
@@ -66,7 +66,7 @@ def explain(
     The output is summed and backpropagated when it requires grad (a training step);
     otherwise the report holds the inference graph (no backward). Requires that no process
     group is initialised (explain brings up and destroys its own fake one and resets Dynamo
-    before and after); raises ValueError when Dynamo split the model into several graphs
+    before and after); raises UsageError when Dynamo split the model into several graphs
     (graph breaks): :func:`explain_graphs` returns a report per graph.
     """
     if cluster is not None:
@@ -110,7 +110,7 @@ def _explain(
     """:func:`explain_graphs` with the example inputs made from the built model (the CLI
     reads a GPT's block size from it); reports of ``stages`` only (None: every stage)."""
     if dist.is_initialized():
-        raise RuntimeError(
+        raise UsageError(
             "autoshard.explain: a process group is initialised, but explain runs on its own fake process group; call it before "
             "init_process_group or after destroy_process_group."
         )
@@ -130,8 +130,8 @@ def _explain(
             raise UsageError("autoshard.explain: the module is already sharded; pass a factory that builds (and may shard) it instead.")
         module = copy.deepcopy(model_or_factory)  # shard() works in place; the caller's module stays as is
     elif not callable(model_or_factory):
-        raise TypeError(f"autoshard.explain: expected an nn.Module or a callable returning one, got {type(model_or_factory).__name__}; "
-                        "pass the model or a function that builds it.")
+        raise UsageTypeError(f"autoshard.explain: expected an nn.Module or a callable returning one, "
+                             f"got {type(model_or_factory).__name__}; pass the model or a function that builds it.")
 
     torch.compiler.reset()  # graphs cached for another world would be reused otherwise
     fake_process_group(0, world_size)
@@ -140,8 +140,8 @@ def _explain(
         with fake_tensor_mode(), recording(stages) as graphs:
             model = module if module is not None else model_or_factory()
             if not isinstance(model, nn.Module):
-                raise TypeError(f"autoshard.explain: the factory returned {type(model).__name__}, not an nn.Module; "
-                                "make it return the model.")
+                raise UsageTypeError(f"autoshard.explain: the factory returned {type(model).__name__}, not an nn.Module; "
+                                     "make it return the model.")
             args = [_fake_like(a) for a in make_args(model)]  # before shard: errors name the user's class
             if not is_sharded(model):
                 shard(model, mesh)
@@ -150,7 +150,7 @@ def _explain(
             if trainable:
                 sum(t.sum() for t in trainable).backward()
         if not graphs:
-            raise RuntimeError(
+            raise UsageError(
                 "autoshard.explain: Dynamo compiled no graph: the model's forward ran no tensor operation; pass a model (or factory) "
                 "whose forward computes with its parameters and example inputs it accepts."
             )
