@@ -37,7 +37,8 @@ def _grad_error(model: torch.nn.Module, reference: torch.nn.Module, expect: floa
 
 
 def _case(shard: Callable, *, factor: float | None, loss_weight: Callable[[int, int], float], expect: float,
-          compiled: bool = True, micro_batches: int = 1, shares: list[int] | None = None, name: str = "mlp") -> float:
+          compiled: bool = True, micro_batches: int = 1, shares: list[int] | None = None, name: str = "mlp",
+          moved: bool = False) -> float:
     """One backward (``micro_batches`` with ``no_sync`` on all but the last) of ``shard(model)``
     on this rank's rows, its loss times ``loss_weight(rows, micro_batches)``; the gradient error against
     ``expect`` times the one-process gradient of the whole batch's mean loss."""
@@ -47,6 +48,8 @@ def _case(shard: Callable, *, factor: float | None, loss_weight: Callable[[int, 
     if shares is not None:
         autoshard.set_batch_shares(model, shares)
     model.set_gradient_divide_factor(factor)
+    if moved:  # new parameter objects, as .to() and to_empty() (torchtitan's init) make them
+        model.to(torch.float64).to(torch.float32)
     run = torch.compile(model, backend="autoshard", options={"compiler": "aot_eager"}) if compiled else model
     x, y = batch(name, 0)
     for micro in range(micro_batches):
@@ -149,6 +152,7 @@ def _all() -> dict[str, Any]:
     found["average_uncompiled"] = _case(autoshard.shard, factor=None, loss_weight=one, expect=1.0, compiled=False)
     found["divide_2n_uncompiled"] = _case(autoshard.shard, factor=2.0 * WORLD, loss_weight=one, expect=0.5, compiled=False)
     found["divide_2n_hybrid"] = _case(strategies["hybrid"], factor=2.0 * WORLD, loss_weight=one, expect=0.5)
+    found["sum_moved"] = _case(autoshard.shard, factor=1.0, loss_weight=per_rank, expect=1.0, moved=True)
     found["sum_no_sync"] = _case(autoshard.shard, factor=1.0, loss_weight=per_rank, expect=1.0, micro_batches=2)
     found["sum_no_sync_replicate"] = _case(strategies["replicate"], factor=1.0, loss_weight=per_rank, expect=1.0,
                                            micro_batches=2)
@@ -169,7 +173,7 @@ def results() -> dict[str, Any]:
 @pytest.mark.slow
 @pytest.mark.multirank
 @pytest.mark.parametrize("case", ["sum_full", "sum_grad_op", "sum_replicate", "sum_hybrid", "average_uncompiled",
-                                  "divide_2n_uncompiled", "divide_2n_hybrid", "sum_no_sync", "sum_no_sync_replicate",
+                                  "divide_2n_uncompiled", "divide_2n_hybrid", "sum_moved", "sum_no_sync", "sum_no_sync_replicate",
                                   "average_no_sync", "sum_shares", "average_shares", "sum_experts"])
 def test_gradients_are_the_sum_divided_by_the_factor(results: dict[str, Any], case: str) -> None:
     assert results[case] <= TOL, results[case]

@@ -62,6 +62,14 @@ def set_gradient_divide_factor(modules: Iterable[nn.Module], factor: float | Non
                 param.__dict__[leaves.GRAD_SCALE] = ranks / factor
 
 
+def reapply(module: nn.Module) -> None:
+    """Set the divide factor of ``module`` again on its own parameters: ``.to()`` and
+    ``to_empty()`` give a module new parameter objects (torch.utils.swap_tensors), without the
+    scale the old ones carried; the factor itself stays on the module."""
+    if leaves.DIVIDE_FACTOR in module.__dict__:
+        set_gradient_divide_factor([module], module.__dict__[leaves.DIVIDE_FACTOR])
+
+
 def scale_of(param: nn.Parameter) -> float:
     """What ``param``'s averaged gradient is multiplied by (1 without a divide factor)."""
     return param.__dict__.get(leaves.GRAD_SCALE, 1.0)

@@ -159,6 +159,8 @@ def _apply_keeping_leaves(self: nn.Module, fn, recurse: bool = True) -> nn.Modul
     # .to(), to_empty() and friends may give shards new storage: the forward's leaves follow.
     result = _base_of[type(self)]._apply(self, fn, recurse)
     leaves.refresh(self)
+    for module in self.modules():  # the new parameters lack the divide factor's scale
+        grad_scale.reapply(module)
     return result
 
 
