@@ -1,10 +1,11 @@
-"""Mixed clusters on the simulator: the plan for half H100 and half A100 nodes against the plan
-made as today for the same cluster taken as all A100 (every rank as slow and as small as the
+"""Mixed clusters on the simulator: the plan for half H100 and half A100 nodes against the
+single-type plan, for the same cluster taken as all A100 (every rank as slow and as small as the
 slowest, even batch shares).
 
 Both come from one ``autoshard.plan(cluster=...)`` call: it compiles and searches exactly as
 ``autoshard.plan(world_size=..., profile="a100", memory_budget_gb=<A100 memory>)`` does (the
-even-share steps are those of today's plan: ``--check`` runs that call too and compares), then
+even-share steps are those of the single-type plan: ``--check`` runs that call too and
+compares), then
 plays every compiled layout on the mixed cluster with its planned batch shares.
 
     python bench/hetero_sim.py                                  # 1.3B and 8B x 64, 1024 ranks, fp32
@@ -30,13 +31,13 @@ from overlap import SHAPES  # noqa: E402
 
 import autoshard  # noqa: E402
 from autoshard import Cluster, NodeGroup  # noqa: E402
-from autoshard.tools.plan.mixed_summary import per_dollar, today, utilisation, variance  # noqa: E402
+from autoshard.tools.plan.mixed_summary import per_dollar, single_type_outcome, utilisation, variance  # noqa: E402
 
 from gpt import GPT, GPTConfig  # noqa: E402
 
 
 def _row(shape: str, plan: autoshard.Plan, seconds: float) -> dict:
-    chosen, base = plan.chosen, today(plan)
+    chosen, base = plan.chosen, single_type_outcome(plan)
     fast, slow = chosen.types
     dollars, base_dollars = per_dollar(plan, chosen.mixed_step), per_dollar(plan, base.step_time)
     return {
@@ -64,7 +65,7 @@ def main() -> None:
     parser.add_argument("--memory-gb", nargs=2, type=float, default=[80.0, 40.0], metavar=("H100", "A100"))
     parser.add_argument("--prices", nargs=2, type=float, default=[4.0, 1.8], metavar=("H100", "A100"),
                         help="dollars per device-hour (assumed inputs)")
-    parser.add_argument("--check", action="store_true", help="also run today's plan for all A100 and compare the steps")
+    parser.add_argument("--check", action="store_true", help="also run the single-type plan for all A100 and compare the steps")
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args()
 
@@ -87,12 +88,13 @@ def main() -> None:
                 if args.check:
                     alone = autoshard.plan(lambda: GPT(cfg), tokens, tokens, world_size=world, ranks_per_node=8,
                                            profile="a100", memory_budget_gb=args.memory_gb[1], precisions=(precision,))
-                    same = alone.chosen.candidate == today(plan).candidate and alone.chosen.step_time == today(plan).step_time
-                    print(f"check: today's plan for all A100: {alone.chosen.candidate.label(8)} "
+                    base = single_type_outcome(plan)
+                    same = alone.chosen.candidate == base.candidate and alone.chosen.step_time == base.step_time
+                    print(f"check: the single-type plan for all A100: {alone.chosen.candidate.label(8)} "
                           f"{alone.chosen.step_time * 1e3:.2f} ms: {'same' if same else 'DIFFERENT'}", file=sys.stderr)
     print(f"GPT, seq {args.seq}, half H100 ({args.memory_gb[0]:g} GiB, ${args.prices[0]:g}/h) and half A100 "
           f"({args.memory_gb[1]:g} GiB, ${args.prices[1]:g}/h) nodes of 8 (predicted by the simulator); "
-          "ratio: planned step / today's plan for all A100; x_even: samples per rank over an even share")
+          "ratio: planned step / the single-type plan for all A100; x_even: samples per rank over an even share")
     print(tabulate(rows, headers="keys", floatfmt=".3g"))
     if args.json:
         Path(args.json).write_text(json.dumps({"config": vars(args), "rows": rows}, indent=2))

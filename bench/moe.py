@@ -1,7 +1,7 @@
 """Expert parallelism vs gathered experts, measured side by side on gloo CPU ranks.
 
 The example MoE GPT (examples/moe_gpt.py: 8 experts, top-2) is sharded twice in the same
-ranks: ``autoshard.shard(model)`` (today's default: experts sharded like any parameter and
+ranks: ``autoshard.shard(model)`` (the default: experts sharded like any parameter and
 gathered whole where used) and ``autoshard.shard(model, experts="parallel")`` (each rank keeps
 8 / N whole experts; tokens travel by all-to-all). Both are compiled with the autoshard backend
 (aot_eager inner compiler) and run eagerly (autoshard's ops run their collectives as called),

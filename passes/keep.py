@@ -6,7 +6,7 @@ others' gathers are recomputed in the backward (``passes/lower.py`` tags them).
 
 Always kept: the backward's first block (:func:`needed_first`): it adds nothing at the step's
 peak. Given a memory budget, more repeated blocks, last first (the backward needs them
-soonest), while an estimate of the least the bucketed graphs need (:class:`_Live`) stays within
+soonest), while an estimate of the least the bucketed graphs need (:class:`_LiveBytes`) stays within
 the budget less one activation (the partitioner recomputes cheap values in the backward beside
 those it saves). The estimate is the live bytes of the joint graph in its order (forward, the
 turn, backward): the inputs (parameter shards, the batch) through the whole step, a saved value
@@ -61,7 +61,7 @@ def _group(name: str) -> str:
     return block_of(name) or name  # the bucketing pass buckets a block's parameters together
 
 
-class _Live:
+class _LiveBytes:
     """Live bytes of the joint graph by position, each parameter's full value kept or not:
     what the bucketed graphs hold at the least (each bucket gathered at its use, each reduction
     waited at once), as the module docstring says."""
@@ -159,7 +159,7 @@ def kept_for_backward(graph: fx.Graph, gathers: dict[str, fx.Node], order: dict[
             blocks.setdefault(block, []).append(name)
     if not blocks:
         return kept
-    live = _Live(graph, gathers)
+    live = _LiveBytes(graph, gathers)
     candidates = list(blocks.values())  # last block first
     # The partitioner recomputes cheap values in the backward beside those it saves: one activation more.
     limit = budget_bytes - live.largest_activation

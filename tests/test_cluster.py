@@ -16,7 +16,7 @@ from autoshard import Cluster, NodeGroup
 from autoshard.compiler.cost_model import get_profile
 from autoshard.compiler.profiles import uniform_link
 from autoshard.runtime.errors import UsageError
-from autoshard.tools.plan.mixed_summary import today
+from autoshard.tools.plan.mixed_summary import single_type_outcome
 from autoshard.tools.sim.mixed_cluster import step_times
 from autoshard.tools.sim.simulator import analyze
 
@@ -32,7 +32,7 @@ SLOW = dataclasses.replace(FAST, name="slow", peak_flops={k: v / 2 for k, v in F
                            mem_bandwidth=FAST.mem_bandwidth / 2)
 
 
-def _mixed(slow_memory_gb: float | None = None) -> Cluster:
+def _mixed_cluster(slow_memory_gb: float | None = None) -> Cluster:
     return Cluster((NodeGroup(1, FAST, ranks_per_node=2, price_per_hour=2.0),
                     NodeGroup(1, SLOW, ranks_per_node=2, memory_gb=slow_memory_gb, price_per_hour=1.0)))
 
@@ -45,7 +45,7 @@ def _report() -> autoshard.Report:
 
 @functools.cache
 def _plan(slow_memory_gb: float | None = None) -> autoshard.Plan:
-    return autoshard.plan(lambda: build("gpt"), TOKENS, TOKENS, cluster=_mixed(slow_memory_gb))
+    return autoshard.plan(lambda: build("gpt"), TOKENS, TOKENS, cluster=_mixed_cluster(slow_memory_gb))
 
 
 @pytest.mark.parametrize("nodes, match", [
@@ -85,13 +85,13 @@ def test_the_mixed_simulator_on_one_profile_is_the_simulator():
 def test_a_rank_twice_as_slow_sets_the_step_and_its_proportional_share_shortens_it():
     report = _report()
     fwd, bwd, groups = report.stages["forward"], report.stages["backward"], report.group_ranks
-    even, busy, wait = step_times(fwd, bwd, _mixed(), [1.0, 1.0], groups)
+    even, busy, wait = step_times(fwd, bwd, _mixed_cluster(), [1.0, 1.0], groups)
     assert busy[1] == pytest.approx(2 * busy[0], rel=1e-9)  # half the flops and bytes per second
     assert wait[0] > wait[1]  # the fast ranks wait for the slow ones at every collective
     # The step is the slowest rank's: as long as the slow ones alone would take.
     alone = analyze(fwd, bwd, SLOW).step_time
     assert even == pytest.approx(alone, rel=1e-9)
-    split, busy2, _ = step_times(fwd, bwd, _mixed(), [4 / 3, 2 / 3], groups)  # 2:1, samples kept
+    split, busy2, _ = step_times(fwd, bwd, _mixed_cluster(), [4 / 3, 2 / 3], groups)  # 2:1, samples kept
     assert busy2[0] == pytest.approx(busy2[1], rel=1e-9)
     assert split < even
 
@@ -102,7 +102,7 @@ def test_the_plan_gives_the_faster_type_more_of_the_batch():
     assert len(shares) == 4 and sum(shares) == pytest.approx(1.0, abs=1e-9)
     assert shares[0] == shares[1] and shares[2] == shares[3]
     assert shares[0] > 1.8 * shares[2]  # about twice: the fast type computes twice as fast
-    chosen, base = plan.chosen, today(plan)
+    chosen, base = plan.chosen, single_type_outcome(plan)
     assert chosen.mixed_step < base.step_time  # better than every rank as the slow one, even shares
     assert chosen.mixed_step == min(o.mixed_step for o in plan.outcomes if o.mixed_fits)
     summary = plan.summary()
@@ -131,7 +131,7 @@ def test_a_mixed_plan_round_trips_through_json(tmp_path):
     assert autoshard.Plan.load(tmp_path / "plan.json") == plan
 
 
-def test_a_homogeneous_cluster_gives_exactly_todays_plan():
+def test_a_homogeneous_cluster_gives_exactly_the_single_type_plan():
     cluster = Cluster((NodeGroup(2, "h100", ranks_per_node=2, memory_gb=1.0),))
     assert cluster.homogeneous
     planned = autoshard.plan(lambda: build("gpt"), TOKENS, TOKENS, cluster=cluster)
@@ -141,21 +141,21 @@ def test_a_homogeneous_cluster_gives_exactly_todays_plan():
 
 def test_a_cluster_and_a_world_size_together_are_refused():
     with pytest.raises(UsageError, match="either cluster or world_size"):
-        autoshard.plan(lambda: build("gpt"), TOKENS, TOKENS, cluster=_mixed(), world_size=4)
+        autoshard.plan(lambda: build("gpt"), TOKENS, TOKENS, cluster=_mixed_cluster(), world_size=4)
 
 
-def test_the_even_share_steps_are_todays_plan_for_the_cluster_taken_as_all_slow():
+def test_the_even_share_steps_are_the_single_type_plan_for_the_cluster_taken_as_all_slow():
     plan = _plan()
     alone = autoshard.plan(lambda: build("gpt"), TOKENS, TOKENS, world_size=4, ranks_per_node=2, profile=SLOW)
-    assert today(plan).candidate == alone.chosen.candidate
+    assert single_type_outcome(plan).candidate == alone.chosen.candidate
     assert [(o.candidate, o.step_time, o.peak_bytes) for o in plan.outcomes] == \
         [(o.candidate, o.step_time, o.peak_bytes) for o in alone.outcomes]
 
 
 def test_explain_on_a_mixed_cluster_reports_each_rank_types_share_busy_and_waiting_time():
-    report = autoshard.explain(lambda: build("gpt"), TOKENS, TOKENS, cluster=_mixed(), stages=("captured", "forward", "backward"))
+    report = autoshard.explain(lambda: build("gpt"), TOKENS, TOKENS, cluster=_mixed_cluster(), stages=("captured", "forward", "backward"))
     assert report.world_size == 4 and report.profile.name == "slow"
-    fast, slow = report.mixed.types
+    fast, slow = report.mixed_cluster_step.types
     assert fast.share > slow.share and fast.ranks * fast.share + slow.ranks * slow.share == pytest.approx(1.0)
     summary = report.summary()
     assert "mixed cluster: step (planned shares)" in summary and "utilisation variance across rank types" in summary
@@ -185,8 +185,8 @@ def _four_blocks() -> torch.nn.Module:
 def test_a_latency_bound_replica_all_reduce_merges_blocks_and_the_plan_records_it(tmp_path):
     """Nodes joined by a link of 20 ms per ring step: a replicated layout wins, and its
     all-reduce, one per block, is mostly latency. Two blocks per all-reduce halve it; the plan
-    records the option, gives it to torch.compile, and saves and loads it. Today's plan (every
-    rank as the slow one) stays one all-reduce per block."""
+    records the option, gives it to torch.compile, and saves and loads it. The single-type plan
+    (every rank as the slow one) stays one all-reduce per block."""
     nic = uniform_link("slow-nic", latency=20e-3, bandwidth=1e9)
     cluster = Cluster((NodeGroup(1, dataclasses.replace(FAST, inter=nic), 2),
                        NodeGroup(1, dataclasses.replace(SLOW, inter=nic), 2)))
@@ -195,7 +195,7 @@ def test_a_latency_bound_replica_all_reduce_merges_blocks_and_the_plan_records_i
     assert plan.compile_options == {"all_reduce_blocks": 2}
     per_block = next(o for o in plan.outcomes if o.candidate == dataclasses.replace(plan.candidate, all_reduce_blocks=1))
     assert plan.chosen.mixed_step < per_block.mixed_step
-    assert today(plan).candidate.all_reduce_blocks == 1
+    assert single_type_outcome(plan).candidate.all_reduce_blocks == 1
     assert "all-reduce per 2 blocks" in plan.summary()
     plan.save(tmp_path / "plan.json")
     assert autoshard.Plan.load(tmp_path / "plan.json") == plan

@@ -24,7 +24,7 @@ import autoshard.passes.lower as lower
 from autoshard._compat import c10d
 from autoshard.compiler.dump import recording
 from autoshard.passes.graph_utils import PARAMS, block_of, collective_kind, nbytes, positions, wait_of
-from autoshard.passes.keep import _Live, kept_for_backward, needed_first
+from autoshard.passes.keep import _LiveBytes, kept_for_backward, needed_first
 from autoshard.passes.schedule import PLAN
 from autoshard.tools.launch import run_ranks
 
@@ -69,7 +69,7 @@ def test_without_a_budget_only_what_the_backward_needs_first(joint):
 
 def test_the_budget_decides_how_many_blocks_stay(joint):
     fulls, order = _fulls(joint), positions(joint.graph.nodes)
-    live = _Live(joint.graph, fulls)
+    live = _LiveBytes(joint.graph, fulls)
     first, every = needed_first(fulls, order), {n for n in fulls if block_of(n) is not None} | needed_first(fulls, order)
     # Keeping more only ever adds bytes, and keeping a block costs about its gathered bytes.
     assert live.peak(set()) <= live.peak(first) < live.peak(every)
@@ -148,7 +148,7 @@ def _train_keeping_too_much(budget_gb: float) -> dict:
     torch.set_num_threads(1)  # two ranks on a small machine
     joint_compiles = []
     estimate = keep.kept_for_backward
-    keep._Live.peak = lambda self, kept: 0
+    keep._LiveBytes.peak = lambda self, kept: 0
 
     def counted(*args, **kwargs):
         joint_compiles.append(1)

@@ -173,7 +173,7 @@ def test_the_bounds_are_below_what_the_compiled_candidates_cost():
         assert 0 < bounds.memory(o.candidate) <= o.peak_bytes, o
         assert 0 < bounds.step(o.candidate) <= o.step_time, o
     full, hybrid = Candidate("full", (16,)), Candidate("hybrid", (4, 4))
-    mixed = full.mixed(("blocks.0",), hybrid)
+    mixed = full.mixed_layout(("blocks.0",), hybrid)
     assert bounds.memory(full) < bounds.memory(mixed) < bounds.memory(hybrid)
     # Full shard over 4 nodes sends everything across them; hybrid only its replicas' all-reduce.
     assert bounds.link_bytes(full)[0] == 0 < bounds.link_bytes(full)[1]
@@ -265,7 +265,7 @@ def test_the_mixed_search_compiles_two_block_counts_at_most_and_keeps_within_the
     100 MiB, under a 160 MiB budget: 20 blocks fit). The state alone (0.5 MiB a block) would
     move all 40: that try misses, the next goes halfway back and fits; then nothing more
     (TRIES compiles), and the same pair is not searched again."""
-    from autoshard.tools.plan.plan import TRIES, Outcome, _mixed, _Search
+    from autoshard.tools.plan.plan import TRIES, Outcome, _mixed_layouts, _Search
 
     blocks = tuple(f"blocks.{i}" for i in range(40))
     params = Params(nbytes=40 * 2**20, trainable_nbytes=40 * 2**20, element_size=4.0, blocks={b: (2**20, 2**20) for b in blocks})
@@ -280,10 +280,10 @@ def test_the_mixed_search_compiles_two_block_counts_at_most_and_keeps_within_the
 
     search = Replayed(None, (), {}, Bounds(params, get_profile("h100"), 2), 160 * 2**20, 8, None)
     search.add(full), search.add(hybrid)
-    _mixed(search, blocks, "fp32")
+    _mixed_layouts(search, blocks, "fp32")
     assert TRIES == 2 and [len(o.candidate.blocks) for o in search.outcomes[2:]] == [40, 20]
-    assert search.fastest_fitting().candidate == full.mixed(blocks[:20], hybrid)
-    _mixed(search, blocks, "fp32")
+    assert search.fastest_fitting().candidate == full.mixed_layout(blocks[:20], hybrid)
+    _mixed_layouts(search, blocks, "fp32")
     assert len(search.outcomes) == 4
 
 

@@ -11,7 +11,7 @@ from test_cluster import FAST, SLOW
 
 import autoshard
 from autoshard import Cluster, NodeGroup
-from autoshard.tools.plan.shares import per_rank, play, with_state
+from autoshard.tools.plan.shares import best_split, per_rank, with_state
 from autoshard.tools.sim.mixed_cluster import scaled_peak, step_times
 
 pytestmark = pytest.mark.planner
@@ -46,16 +46,16 @@ def _cluster(small: float, big: float) -> Cluster:
 def test_a_model_that_does_not_fit_the_small_ranks_under_even_shards_fits_under_planned_state_shares():
     report, (_, extra) = _report(), _even_bytes()
     cluster = _cluster(small=0.9, big=3.0)
-    even = play(report, cluster, extra, None, state_shares=False)
+    even = best_split(report, cluster, extra, None, state_shares=False)
     assert not even.fits and not even.types[1].fits  # the small type: over its memory even with no sample
-    planned = play(report, cluster, extra, None, state_shares=True)
+    planned = best_split(report, cluster, extra, None, state_shares=True)
     assert planned.fits, planned
     fast, slow = planned.types
     assert slow.peak_bytes <= slow.limit_bytes and fast.peak_bytes <= fast.limit_bytes
     assert slow.state_share < 1 / 4 < fast.state_share  # the small memory holds less of the state
     assert 2 * fast.state_share + 2 * slow.state_share == pytest.approx(1.0)
     # A layout that cannot cut its state (replicate, hybrid) gets no state shares.
-    assert all(t.state_share is None for t in play(report, _cluster(small=2.0, big=3.0), extra, None, state_shares=True).types)
+    assert all(t.state_share is None for t in best_split(report, _cluster(small=2.0, big=3.0), extra, None, state_shares=True).types)
 
 
 def test_the_padding_is_priced_in_memory_and_time():

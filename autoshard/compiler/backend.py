@@ -153,7 +153,7 @@ def _param_bytes(example_inputs: Sequence[Any]) -> int:
 
 @reports_compile_failure
 def _finish(
-    gm: fx.GraphModule, side: str, dump: GraphDump, clog: CompileLog, opts: Options, param_bytes: int, inference: bool = False,
+    gm: fx.GraphModule, side: str, dump: GraphDump, compile_log: CompileLog, opts: Options, param_bytes: int, inference: bool = False,
     key_agreed: bool = False,
 ) -> fx.GraphModule:
     """Run the partitioned pipeline (:data:`autoshard.compiler.pipeline.PARTITIONED`) on one forward or
@@ -165,11 +165,11 @@ def _finish(
     # would go through them (a view of a meta tensor: 75x slower). The passes build fake
     # values with their inputs' fake mode.
     with unset_fake_temporarily(), no_python_dispatcher(), phase(f"{side}_passes"):
-        pipeline.run(pipeline.PARTITIONED, gm, ctx, clog.writing(dump.write))
-    clog.graph_done(side, gm, ctx.bucket_mb)
+        pipeline.run(pipeline.PARTITIONED, gm, ctx, compile_log.writing(dump.write))
+    compile_log.graph_done(side, gm, ctx.bucket_mb)
     if side == "backward" or inference:
         dump.write_report(profile)
-        clog.timeline(dump.stages, profile)
+        compile_log.timeline(dump.stages, profile)
     return gm
 
 
@@ -203,9 +203,9 @@ class _Keeping:
 def _compile(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict | None) -> Callable:
     opts: Options = parse_options(options)
     _warn_if_unsharded(example_inputs)
-    clog = CompileLog()  # TORCH_LOGS=autoshard, TORCH_TRACE (compiler/logs.py)
-    dump = GraphDump(opts.debug_dir, keep=clog.wants_copies())
-    write = clog.writing(dump.write)
+    compile_log = CompileLog()  # TORCH_LOGS=autoshard, TORCH_TRACE (compiler/logs.py)
+    dump = GraphDump(opts.debug_dir, keep=compile_log.wants_copies())
+    write = compile_log.writing(dump.write)
     param_bytes = _param_bytes(example_inputs)
     pipeline.run(pipeline.CAPTURED, gm, pipeline.Context(opts, "captured"), write)
     if opts.compiler == "eager":
@@ -217,7 +217,7 @@ def _compile(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict | 
         eager_backward = backward_compiled_with_forward() if opts.memory_budget_gb is not None else contextlib.nullcontext()
         try:
             with retried_when(keeping.retried), eager_backward:
-                return _compile_once(gm, example_inputs, opts, clog, dump, write, param_bytes, keeping)
+                return _compile_once(gm, example_inputs, opts, compile_log, dump, write, param_bytes, keeping)
         except Exception as error:  # Dynamo and Inductor wrap what the passes raise
             if not keeping.retried(error):
                 raise
@@ -227,7 +227,7 @@ def _compile(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict | 
                      kept, keeping.at_most)
 
 
-def _compile_once(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Options, clog: CompileLog, dump: GraphDump,
+def _compile_once(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Options, compile_log: CompileLog, dump: GraphDump,
                   write: Callable, param_bytes: int, keeping: _Keeping) -> Callable:
     keeping.kept = 0
 
@@ -241,7 +241,7 @@ def _compile_once(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Optio
 
     # Inductor's caches serve a compile unless its stages are asked for (a hit skips the passes
     # and so their dumps): then the AOT autograd cache is off, as it is for aot_eager anyway.
-    cached = opts.compiler == "inductor" and caches_on() and not (opts.debug_dir or clog.wants_copies())
+    cached = opts.compiler == "inductor" and caches_on() and not (opts.debug_dir or compile_log.wants_copies())
     key = cache_key(gm, opts, _profile(gm, opts)) if cached else None
     if key is not None:
         with phase("cache_key"):
@@ -255,7 +255,7 @@ def _compile_once(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Optio
             def inner_compile(g: fx.GraphModule, inputs: Sequence[Any], **kwargs: Any) -> Any:
                 side = "backward" if kwargs.get("is_backward") else "forward"
                 with _one_recompile(g):
-                    g = _finish(g, side, dump, clog, opts, param_bytes, kwargs.get("is_inference", False), cached)
+                    g = _finish(g, side, dump, compile_log, opts, param_bytes, kwargs.get("is_inference", False), cached)
                 if not pipeline.keeps_order(opts.schedule):
                     return compile_fx_inner(g, inputs, **kwargs)
                 # Inductor must keep the order the schedule chose.
@@ -268,7 +268,7 @@ def _compile_once(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Optio
             @_paused  # the backward is compiled lazily, outside autoshard_backend
             def compile_graph(g: fx.GraphModule, _inputs: Any) -> fx.GraphModule:
                 with _one_recompile(g):
-                    return boxed(_finish(g, side, dump, clog, opts, param_bytes, inference))
+                    return boxed(_finish(g, side, dump, compile_log, opts, param_bytes, inference))
 
             return compile_graph
 

@@ -28,7 +28,7 @@ from autoshard.compiler.dump import recording
 from autoshard.compiler.options import SCHEDULES, parse_options
 from autoshard.runtime.errors import UsageError, UsageTypeError
 from autoshard.runtime.shard import is_sharded, shard
-from autoshard.tools.plan.shares import play
+from autoshard.tools.plan.shares import best_split
 from autoshard.tools.report.report import Report
 from autoshard.tools.sim.cluster import Cluster
 
@@ -58,7 +58,7 @@ def explain(
             its metrics need); None: every stage (copying one of a large graph takes seconds).
         cluster: a mixed :class:`~autoshard.tools.sim.cluster.Cluster`: compiled at its size on its
             slowest profile (they replace ``world_size`` and ``profile``), then played with every
-            rank type on its own profile and planned batch share (:attr:`Report.mixed`, in the summary).
+            rank type on its own profile and planned batch share (:attr:`Report.mixed_cluster_step`, in the summary).
         options: any other backend option (``schedule``, ``bucket_mb``, ...); ``compiler``
             defaults to "aot_eager": the graphs as the backend hands them to the inner compiler
             (Inductor's decompositions would change the ATen ops, not the collectives).
@@ -76,7 +76,7 @@ def explain(
     reports = _explain(model_or_factory, lambda _model: example_args, world_size, profile, options, stages)
     if cluster is not None:
         for report in reports:
-            report.mixed = play(report, cluster, 0, None)
+            report.mixed_cluster_step = best_split(report, cluster, 0, None)
     if len(reports) != 1:
         raise UsageError(
             f"autoshard.explain: Dynamo compiled {len(reports)} graphs (graph breaks); use autoshard.explain_graphs, which "

@@ -8,8 +8,9 @@ the size that starts once the k-th block's gradients are ready. :func:`merge_all
 tries k = 2, 4, 8, ... on the fastest fitting layout with all-reduces, each compiled and played
 as any candidate, while the mixed step improves.
 
-Today's plan (every rank as the slowest, even shares) never gets these candidates:
-``mixed_summary.today`` leaves them out, so the comparison is with the plan made as today.
+The single-type plan (every rank as the slowest, even shares) never gets these candidates:
+``mixed_summary.single_type_outcome`` leaves them out, so the comparison is with the plan a
+single-type cluster gets.
 """
 from __future__ import annotations
 

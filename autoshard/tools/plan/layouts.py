@@ -58,7 +58,7 @@ class Candidate:
         """One strategy for the whole model."""
         return not self.blocks
 
-    def mixed(self, blocks: tuple[str, ...], fast: Candidate) -> Candidate:
+    def mixed_layout(self, blocks: tuple[str, ...], fast: Candidate) -> Candidate:
         """This layout with ``blocks`` laid out as ``fast`` is."""
         return Candidate(self.strategy, self.mesh_shape, self.precision, tuple(blocks), fast.strategy, fast.mesh_shape, self.experts)
 
@@ -74,7 +74,7 @@ def candidates(world_size: int, ranks_per_node: int, precisions: tuple[str, ...]
                expert_parallel: bool = False) -> list[Candidate]:
     """The whole-model layouts searched, in the order ties are broken: full shard first, each
     layout in every precision of ``precisions``; with ``expert_parallel``, each 1-D layout
-    also with its experts split over every rank (after its gathered twin: a tie keeps today's)."""
+    also with its experts split over every rank (after its gathered twin: a tie keeps the gathered one)."""
     layouts = [("full", (world_size,)), ("grad_op", (world_size,))]
     shard_size = ranks_per_node
     while shard_size < world_size:

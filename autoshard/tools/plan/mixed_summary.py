@@ -1,5 +1,6 @@
 """What a plan for a mixed cluster adds to :meth:`autoshard.Plan.summary`: each candidate's
-step with its planned batch shares next to today's (every rank as the slowest, even shares),
+step with its planned batch shares next to the single-type plan's (every rank as the slowest,
+even shares),
 and for the chosen layout, per rank type: share of the batch, busy and waiting time,
 utilisation, peak against its memory; the utilisation variance across types and the
 throughput per dollar."""
@@ -11,10 +12,10 @@ from typing import Any
 from autoshard.tools.units import fmt_bytes, fmt_time
 
 
-def today(plan: Any) -> Any:
-    """The outcome today's planner picks for the cluster taken as all of its slowest type: the
-    fastest at even shares under the smallest memory (ties: smaller peak, then candidate order),
-    of the candidates today's planner compiles (one all-reduce per block: merged ones are the
+def single_type_outcome(plan: Any) -> Any:
+    """The single-type plan's outcome: what the planner picks for the cluster taken as all of its
+    slowest type, the fastest at even shares under the smallest memory (ties: smaller peak, then
+    candidate order) of the candidates it compiles (one all-reduce per block: merged ones are the
     mixed cluster's own trial, :mod:`autoshard.tools.plan.all_reduce`)."""
     limit = math.inf if plan.memory_budget_gb is None else plan.memory_budget_gb * 2**30
     fitting = [(o.step_time, o.peak_bytes, i, o) for i, o in enumerate(plan.outcomes)
@@ -43,7 +44,7 @@ def per_dollar(plan: Any, step_time: float) -> tuple[float, str] | None:
 
 
 def mixed_summary(plan: Any) -> str:
-    cluster, chosen, base = plan.cluster, plan.chosen, today(plan)
+    cluster, chosen, base = plan.cluster, plan.chosen, single_type_outcome(plan)
     slow = cluster.nodes[cluster.slowest()].name
     lines = [f"on the mixed cluster {cluster.label}: each candidate with its planned batch shares "
              f"(vs every rank as {slow}, even shares)"]
@@ -66,7 +67,7 @@ def mixed_summary(plan: Any) -> str:
                      + ", ".join(f"{s:.3f}" for s in plan.state_shares) + " by rank; shards padded to the widest in collectives")
     lines.append(f"utilisation variance across rank types: {variance(utilisation(chosen)):.4f}")
     if base is not None:
-        lines.append(f"today's plan for all {slow} ({base.candidate.label(plan.ranks_per_node)}, even shares): "
+        lines.append(f"single-type plan, all {slow} ({base.candidate.label(plan.ranks_per_node)}, even shares): "
                      f"{fmt_time(base.step_time)}; planned: {fmt_time(chosen.mixed_step)} "
                      f"({chosen.mixed_step / base.step_time:.2f}x)")
     dollars = per_dollar(plan, chosen.mixed_step)

@@ -45,7 +45,7 @@ from autoshard.tools.explain import add_input_arguments, explain, input_maker, l
 from autoshard.tools.plan.all_reduce import merge_all_reduces
 from autoshard.tools.plan.layouts import PRECISIONS, Bounds, Candidate, Params, candidates
 from autoshard.tools.plan.result import Outcome, Plan, _limit_bytes, _mixed_precision
-from autoshard.tools.plan.shares import play
+from autoshard.tools.plan.shares import best_split
 from autoshard.tools.sim.cluster import Cluster
 from autoshard.tools.units import fmt_bytes, fmt_time
 
@@ -129,18 +129,18 @@ class _Search:
             else:
                 m = report.metrics
                 states = self.bounds.optimizer_states
-                mixed = {}
+                on_cluster = {}
                 if self.cluster is not None:  # the same graphs on each rank type, with planned batch shares
-                    cuts = {c.strategy, c.block_strategy or c.strategy} <= {"full", "grad_op"} and c.experts == "gathered"
-                    step = play(report, self.cluster, states * m["shard_bytes"], self.budget_gb, state_shares=cuts)
-                    mixed = {"mixed_step": step.step_time, "types": step.types}
+                    can_cut_state = {c.strategy, c.block_strategy or c.strategy} <= {"full", "grad_op"} and c.experts == "gathered"
+                    step = best_split(report, self.cluster, states * m["shard_bytes"], self.budget_gb, state_shares=can_cut_state)
+                    on_cluster = {"mixed_step": step.step_time, "types": step.types}
                 outcome = Outcome(c, m["step_time"], m["exposed_comm"], int(m["peak_bytes"] + states * m["shard_bytes"]),
-                                  energy_j=m["energy_j"], link_bytes=self.bounds.link_bytes(c), **mixed)
+                                  energy_j=m["energy_j"], link_bytes=self.bounds.link_bytes(c), **on_cluster)
         self.outcomes.append(outcome)
         if self.progress is not None:
-            mixed = "" if outcome.mixed_step is None else f", on the mixed cluster {fmt_time(outcome.mixed_step)}"
+            on_cluster = "" if outcome.mixed_step is None else f", on the mixed cluster {fmt_time(outcome.mixed_step)}"
             self.progress(f"autoshard plan: {c.label(self.ranks_per_node)}: " + (outcome.error or f"step {fmt_time(outcome.step_time)}, "
-                          f"peak {fmt_bytes(outcome.peak_bytes)}{mixed}"))
+                          f"peak {fmt_bytes(outcome.peak_bytes)}{on_cluster}"))
         return outcome
 
 
@@ -155,7 +155,7 @@ def _whole_model(search: _Search, candidates: list[Candidate]) -> None:
         search.add(c, skip)
 
 
-def _mixed(search: _Search, blocks: tuple[str, ...], precision: str) -> None:
+def _mixed_layouts(search: _Search, blocks: tuple[str, ...], precision: str) -> None:
     """Where a faster whole-model layout does not fit but a slower one does: the fastest that
     fits with as many repeated blocks laid out as the faster one as the budget holds: the
     first ones, whose gathers open the forward and whose reductions close the backward, where
@@ -175,16 +175,16 @@ def _mixed(search: _Search, blocks: tuple[str, ...], precision: str) -> None:
     if not faster:
         return
     fast, s = min(faster, key=search.bounds.step), slow.candidate
-    if any(o.candidate == s.mixed(o.candidate.blocks, fast) for o in search.outcomes if o.candidate.blocks):
+    if any(o.candidate == s.mixed_layout(o.candidate.blocks, fast) for o in search.outcomes if o.candidate.blocks):
         return  # this pair was searched already
     room = search.limit - slow.peak_bytes
-    gain = [search.bounds.memory(s.mixed(blocks[: k + 1], fast)) - search.bounds.memory(s) for k in range(len(blocks))]
+    gain = [search.bounds.memory(s.mixed_layout(blocks[: k + 1], fast)) - search.bounds.memory(s) for k in range(len(blocks))]
     k = sum(1 for g in gain if g <= room)
     fit, miss = 0, len(blocks) + 1  # the most blocks that fit, the fewest that did not
     for _ in range(TRIES):
         if not fit < k < miss:
             return
-        o = search.add(s.mixed(blocks[:k], fast))
+        o = search.add(s.mixed_layout(blocks[:k], fast))
         if o.error is None and o.peak_bytes <= search.limit:
             fit = k
             # Halfway to the count that what a block cost this time predicts (the schedule's
@@ -218,8 +218,8 @@ def plan(
     ``cluster`` (instead of ``world_size``, ``ranks_per_node`` and ``profile``): a
     :class:`~autoshard.tools.sim.cluster.Cluster`. A homogeneous one gives exactly the plan of its
     profile and size (``memory_budget_gb``: its memory, where given). A mixed one: the
-    candidates are compiled and searched as today's plan for the cluster taken as all of its
-    slowest type (every rank as slow and as small as the slowest); each compiled one is then
+    candidates are compiled and searched as for the single-type plan: the cluster taken as all of
+    its slowest type (every rank as slow and as small as the slowest); each compiled one is then
     played on the mixed cluster with the batch shares :mod:`autoshard.tools.plan.shares`
     chooses, and the plan is the fastest there whose every type fits its own memory
     (:attr:`Plan.batch_shares`: each rank's fraction of the global batch), and where even
@@ -234,7 +234,7 @@ def plan(
             raise UsageError(f"autoshard.plan: pass either cluster or {', '.join(given)}: the cluster gives its ranks, nodes "
                              "and profiles.")
         memory_budget_gb = cluster.smallest_memory_gb(memory_budget_gb)
-        if cluster.homogeneous:  # exactly today's plan
+        if cluster.homogeneous:  # exactly the plan of its one profile and size
             return plan(factory, *example_args, world_size=cluster.world_size, ranks_per_node=cluster.ranks_per_node,
                         memory_budget_gb=memory_budget_gb, profile=cluster.nodes[0].profile, precisions=precisions,
                         progress=progress, **options)
@@ -251,12 +251,12 @@ def plan(
     states = parse_options({"compiler": "aot_eager", **options}).optimizer_states
     # The profile's links as the plan's nodes have them.
     device = dataclasses.replace(get_profile(profile), ranks_per_node=ranks_per_node)
-    mixed = cluster is not None
-    if mixed:  # compiled as today's plan for the cluster taken as all of its slowest type
+    mixed_cluster = cluster is not None
+    if mixed_cluster:  # compiled as the single-type plan: the cluster taken as all of its slowest type
         device = cluster.as_slowest()
     # Compiled and bounded under the pooled memory where the types' memories differ: state
     # shares may then hold the state by memory; each type's own limit is checked when played.
-    compile_gb = cluster.pooled_memory_gb(memory_budget_gb) if mixed else memory_budget_gb
+    compile_gb = cluster.pooled_memory_gb(memory_budget_gb) if mixed_cluster else memory_budget_gb
     budget = {} if compile_gb is None else {"memory_budget_gb": compile_gb}
     with fake_tensor_mode():
         params = Params.of(factory())
@@ -265,20 +265,20 @@ def plan(
                      Bounds(params, device, states), limit, ranks_per_node, progress, cluster, memory_budget_gb)
     whole = candidates(world_size, ranks_per_node, tuple(precisions), params.expert_parallel(world_size))
     # The baselines first, always compiled (full shard, hybrid over one node); then the mixed
-    # layouts between them, whose steps let the bounds rule out more of the rest; then the rest.
+    # layouts between them (blocks laid out as the faster one), whose steps let the bounds rule out more of the rest; then the rest.
     baselines = [c for c in whole if c.strategy == "full" or c.mesh_shape == (world_size // ranks_per_node, ranks_per_node)]
     for c in baselines:
         search.add(c)
     for precision in precisions:
-        _mixed(search, tuple(params.blocks), precision)
+        _mixed_layouts(search, tuple(params.blocks), precision)
     _whole_model(search, [c for c in whole if c not in baselines])
     for precision in precisions:  # the fastest that fits may have changed
-        _mixed(search, tuple(params.blocks), precision)
-    if mixed:
+        _mixed_layouts(search, tuple(params.blocks), precision)
+    if mixed_cluster:
         merge_all_reduces(search, len(params.blocks))
     order = {c: i for i, c in enumerate(whole)}
     outcomes = sorted(search.outcomes, key=lambda o: order.get(o.candidate, len(order)))
-    if mixed:  # each type under its own memory, at its planned share
+    if mixed_cluster:  # each type under its own memory, at its planned share
         fitting = [(o.mixed_step, max(t.peak_bytes for t in o.types), i, o) for i, o in enumerate(outcomes) if o.mixed_fits]
     else:
         fitting = [(o.step_time, o.peak_bytes, i, o) for i, o in enumerate(outcomes) if o in search.fitting()]
@@ -296,9 +296,9 @@ def plan(
                               smallest_bytes=smallest)
     chosen = min(fitting, key=lambda t: t[:3])[3]
     best = chosen.candidate
-    shares = tuple(t.share for t in chosen.types for _ in range(t.ranks)) if mixed else None
-    state = tuple(t.state_share for t in chosen.types for _ in range(t.ranks)) if mixed and chosen.types[0].state_share else None
-    return Plan(best.strategy, best.mesh_shape, world_size, ranks_per_node, cluster.label if mixed else device.name,
+    shares = tuple(t.share for t in chosen.types for _ in range(t.ranks)) if mixed_cluster else None
+    state = tuple(t.state_share for t in chosen.types for _ in range(t.ranks)) if mixed_cluster and chosen.types[0].state_share else None
+    return Plan(best.strategy, best.mesh_shape, world_size, ranks_per_node, cluster.label if mixed_cluster else device.name,
                 memory_budget_gb, tuple(outcomes), best.precision, best.blocks, best.block_strategy, best.block_mesh_shape,
                 _tokens(example_args, world_size), shares, cluster, best.experts, state, best.all_reduce_blocks)
 

@@ -47,7 +47,7 @@ def _capped(weights: list[float], counts: list[int], caps: list[float], world: i
         fixed.update({t: caps[t] for t in over})
 
 
-def play(report: Report, cluster: Cluster, extra_bytes: float, default_budget_gb: float | None,
+def best_split(report: Report, cluster: Cluster, extra_bytes: float, default_budget_gb: float | None,
          state_shares: bool = False) -> MixedStep:
     """The best split of ``report``'s layout over ``cluster`` that fits every type's memory
     (``extra_bytes``: per-rank bytes the report's peak leaves out, the optimizer state); the

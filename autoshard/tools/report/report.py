@@ -64,7 +64,7 @@ class Report:
             for n in self.stages[s].graph.nodes if (c := collective_of(n)) is not None}
         self.passes = self._passes()
         self.metrics = self._metrics()
-        self.mixed: Any = None  # explain(cluster=...): the step on a mixed cluster (plan.shares.MixedStep)
+        self.mixed_cluster_step: Any = None  # explain(cluster=...): the step on a mixed cluster (plan.shares.MixedStep)
 
     # -- content ---------------------------------------------------------------------------
 
@@ -186,21 +186,22 @@ class Report:
             ("bytes per parameter (GB per billion)", f"{m['bytes_per_parameter']:.3g}" if m["bytes_per_parameter"] else "unknown"),
             ("step lower bound", f"{fmt_time(a.step_lower_bound)} (gap {100 * m['step_gap']:.1f}%)"),
             ("memory lower bound", f"{fmt_bytes(a.memory_lower_bound)} (gap {100 * m['memory_gap']:.1f}%)"),
-            *self._mixed_rows(),
+            *self._mixed_cluster_rows(),
         ]
 
-    def _mixed_rows(self) -> list[tuple[str, str]]:
+    def _mixed_cluster_rows(self) -> list[tuple[str, str]]:
         """On a mixed cluster: the step with planned batch shares and, per rank type, its share,
         busy and waiting time, utilisation and peak; the utilisation variance across types."""
-        if self.mixed is None:
+        cluster_step = self.mixed_cluster_step
+        if cluster_step is None:
             return []
-        step, world = self.mixed.step_time or 1.0, sum(t.ranks for t in self.mixed.types)
-        util = [t.busy / step for t in self.mixed.types]
+        step, world = cluster_step.step_time or 1.0, sum(t.ranks for t in cluster_step.types)
+        util = [t.busy / step for t in cluster_step.types]
         mean = sum(util) / len(util)
-        rows = [("mixed cluster: step (planned shares)", fmt_time(self.mixed.step_time))]
+        rows = [("mixed cluster: step (planned shares)", fmt_time(cluster_step.step_time))]
         rows += [(f"  {t.name} ({t.ranks} ranks)", f"share {t.share:.3%} per rank ({t.share * world:.2f}x even), busy "
                   f"{fmt_time(t.busy)}, waiting {fmt_time(t.wait)}, utilisation {u:.1%}, peak {fmt_bytes(t.peak_bytes)}"
-                  + ("" if t.limit_bytes is None else f" of {fmt_bytes(t.limit_bytes)}")) for t, u in zip(self.mixed.types, util)]
+                  + ("" if t.limit_bytes is None else f" of {fmt_bytes(t.limit_bytes)}")) for t, u in zip(cluster_step.types, util)]
         return rows + [("utilisation variance across rank types", f"{sum((u - mean) ** 2 for u in util) / len(util):.4f}")]
 
     def _energy_rows(self) -> list[tuple[str, str]]:

@@ -96,7 +96,7 @@ class Cluster:
 
     @property
     def homogeneous(self) -> bool:
-        """One profile and one memory size everywhere (the plan is then today's)."""
+        """One profile and one memory size everywhere (the plan is then the single-type plan of that profile and size)."""
         return len({(g.device, g.memory_gb) for g in self.nodes}) == 1 and self.inter is None
 
     @property
@@ -131,7 +131,7 @@ class Cluster:
         return sum(g.memory_gb * g.ranks for g in self.nodes) / self.world_size
 
     def as_slowest(self) -> DeviceProfile:
-        """Every rank as slow as the slowest group's (the profile today's plan would use)."""
+        """Every rank as slow as the slowest group's (the profile the single-type plan uses)."""
         device = self.nodes[self.slowest()].device
         return device if self.inter is None else dataclasses.replace(device, inter=self.inter)
 
