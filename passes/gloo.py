@@ -28,12 +28,10 @@ HOLD = torch.ops.autoshard.hold.default
 SEND_BUFFER = torch.ops.autoshard.send_buffer.default
 
 # gloo runs the out-of-place all_gather_into_tensor through its coalesced all-gather work,
-# which corrupts the process's heap when several gathers are in flight at once (measured on
-# torch 2.11, 2.13 and 2.15, two gloo ranks: four in flight abort in malloc within 20 s; one,
-# two or three at a time, and reduce-scatters or all-reduces four at a time, survive 20000
-# rounds). The _out form runs gloo's plain all-gather work, which survived 20000 rounds of
-# four and of eight in flight. It is the form PyTorch's own bucketer emits, so Inductor lowers
-# it too. Other backends keep the out-of-place op, which they run without this.
+# which corrupts the process's heap when several gathers are in flight at once; the _out form
+# runs gloo's plain all-gather work, which does not (bench/gloo_gathers.py shows both; the
+# figures: docs/design.md, "6. Inner compile"). It is the form PyTorch's own bucketer emits, so
+# Inductor lowers it too. Other backends keep the out-of-place op, which they run without this.
 
 
 # What the passes free or reduce in place: storages these ops allocate (copy-ins, pads, casts,
@@ -175,9 +173,9 @@ def gather_inputs_held(gm: fx.GraphModule, needed: Callable[[str], bool] = on_gl
 
 # gloo has no reduce-scatter of its own: it all-reduces a clone of the input, then copies this
 # rank's chunk out, which moves twice a reduce-scatter's bytes. An all-to-all moves exactly
-# them: every rank receives the others' copies of its chunk and adds them up itself. Measured
-# (16 MiB, torch 2.13): 7.6 vs 12.9 ms at 2 ranks, 21.0 vs 30.7 ms at 4 for the all-reduce alone.
-# It holds the input and what it receives while in flight, as gloo's clone did.
+# them: every rank receives the others' copies of its chunk and adds them up itself, in about
+# 0.6-0.7x the time (docs/design.md, "Where the cpu profile's figures come from"). It holds
+# the input and what it receives while in flight, as gloo's clone did.
 
 _COMBINE = {"sum": aten.sum.dim_IntList, "avg": aten.mean.dim}
 
@@ -220,7 +218,7 @@ def reductions_by_exchange(gm: fx.GraphModule, needed: Callable[[str], bool] = o
 # gloo's worker thread holds a collective's tensors (a gather's input, the views of its output)
 # until it drops the finished operation, sometimes well after the wait has returned: then
 # freeing them is its business, and the process's peak moved by tens of MiB from run to run
-# for one plan (measured: 146, 165 and 194 MiB). Resizing a storage to 0 frees its memory
+# for one plan (docs/design.md, "Where the cpu profile's figures come from"). Resizing a storage to 0 frees its memory
 # whoever still references it, so the graph frees what it allocated at a known point.
 
 

@@ -2,9 +2,10 @@
 
 While Dynamo traces a synchronised forward, each sharded parameter read returns the
 parameter's *ghost* (autoshard/runtime/leaves.py): a graph input of the full parameter's
-shape that Dynamo traces like a plain parameter, not a custom op per use (which doubled
-Dynamo's time). Before anything else sees the graph, the backend gives each ghost input its
-leaf (the shard, a plain tensor) instead and gathers them right after the inputs::
+shape that Dynamo traces like a plain parameter, not a custom op per use, which costs Dynamo
+far more (docs/design.md, "2. Capture", has the figures). Before anything else sees the graph,
+the backend gives each ghost input its leaf (the shard, a plain tensor) instead and gathers
+them right after the inputs::
 
     w_ghost (placeholder)                 w_leaf (placeholder)     the same node: its source stays
     mm(x, w_ghost)            ->          full = unshard_all([w_leaf, ...], key)  trainable; frozen in a second call

@@ -45,16 +45,14 @@ class DeviceProfile(ProfileFigures):
         gloo stages a whole all-gather output and reduce-scatter input (:data:`GLOO_WORKSPACE`).
     comm_input_copied: collective kinds whose backend copies the input when the collective is
         issued and works on the copy (gloo's reduce-scatter reduces a clone, its workspace): the
-        input is free from the issue on. Measured on 2 gloo ranks: a 16 MiB reduce-scatter
-        input dropped after the issue is freed at once. Elsewhere (NCCL) the collective reads
-        its input until it ends.
+        input is free from the issue on (measured: bench/gloo_memory.py). Elsewhere (NCCL) the
+        collective reads its input until it ends.
     comm_release_late: the collective kinds whose buffers may outlive the wait: the memory
         models keep them until the next collective is issued. None on the ``cpu`` profile: gloo
         frees what it holds on its own thread, sometimes well after the wait, but graphs run op
-        by op free their collectives' buffers themselves (passes/gloo.py); measured on 2 gloo
-        ranks, one plan's peak then repeats (146.1 MiB three times, where it had moved from 146
-        to 194 MiB). Inductor's graphs leave them to gloo: the backend then counts
-        :data:`GLOO_RELEASE_LATE`.
+        by op free their collectives' buffers themselves (passes/gloo.py), which made measured
+        peaks repeat (docs/design.md, the cpu profile's figures). Inductor's graphs leave them
+        to gloo: the backend then counts :data:`GLOO_RELEASE_LATE`.
     busy_power_w, idle_power_w: watts one device draws computing, and waiting (on the network);
         None where unknown (then no energy is predicted). See ``StepAnalysis.energy_j``.
     matmul_efficiency: the fraction of ``peak_flops`` that compute-bound kernels reach (a
@@ -128,10 +126,10 @@ def _dgx(name: str, bf16: float, tf32: float, hbm: float, nvlink: Link, infiniba
 
 
 # gloo's all_gather_into_tensor and reduce_scatter_tensor allocate a temporary as large as the
-# full buffer for as long as they run (torch.profiler memory events, 2 CPU ranks, a 16 MiB
-# buffer: 16 MiB each; all_reduce works in place). Over gloo the graphs run reduce-scatters as
-# all-to-alls (passes/gloo.py): the output they receive into is as large, and the input is read
-# until the wait (pipeline.gloo_memory).
+# full buffer for as long as they run; all_reduce works in place (bench/gloo_memory.py measures
+# it; the figures: docs/design.md, "Where the cpu profile's figures come from"). Over gloo the
+# graphs run reduce-scatters as all-to-alls (passes/gloo.py): the output they receive into is
+# as large, and the input is read until the wait (pipeline.gloo_memory).
 GLOO_WORKSPACE = {"all_gather": 1.0, "reduce_scatter": 1.0}
 GLOO_INPUT_COPIED = ("reduce_scatter",)  # the staged copy above is a clone of the input
 GLOO_RELEASE_LATE = ("all_gather", "reduce_scatter")  # what gloo's thread frees when it gets round to it
@@ -179,11 +177,10 @@ PROFILES: dict[str, DeviceProfile] = {
              "ml-engineering MAMF table; FlashAttention-3 paper", watts=(500.0, 100.0)),
         matmul_efficiency=0.801, attention_efficiency=0.35, nic_per_rank=True),
     # The 2-core development machine, gloo over loopback, 2 ranks of 1 thread each: rounded
-    # from `python -m autoshard calibrate --world-sizes 2` on a quiet machine (figures move by
-    # up to 2x while other jobs share the cores). reduce_scatter is gloo's run as an
-    # all-to-all and a mean (passes/gloo.py), scaled from all_gather by the ratio a calibration
-    # of that form measured on 2026-12-01 (latency 0.91x, bandwidth 0.93x all_gather's; gloo's
-    # own reduce-scatter, an all-reduce of a copy: 1.25x and 0.69x).
+    # from `python -m autoshard calibrate`. reduce_scatter is gloo's run as an all-to-all and a
+    # mean (passes/gloo.py), so it is all_gather's scaled by the ratio calibrate measures for
+    # that form. The measurements, dated, with their commands: docs/design.md, "Where the cpu
+    # profile's figures come from".
     "cpu": DeviceProfile(
         name="cpu",
         peak_flops={"float32": 37e9, "bfloat16": 1.3e9, "float16": 1.6e9},
@@ -198,8 +195,8 @@ PROFILES: dict[str, DeviceProfile] = {
         ),
         source="measured by python -m autoshard calibrate on the 2-core development VM, 2026-11-29, torch 2.13.0+cpu",
         comm_overlap=0.64,
-        # Measured on 2026-12-02 (calibrate's method): a 64-byte all-gather hidden behind 1 ms
-        # of matmuls added 0.54-0.74 ms to them, against 0.19-0.52 ms for the all-gather alone.
+        # What a tiny all-gather behind matmuls adds to them beyond its own time (calibrate's
+        # method; the measurement in docs/design.md).
         comm_issue_cost=450e-6,
         comm_workspace=GLOO_WORKSPACE,
         comm_input_copied=GLOO_INPUT_COPIED,

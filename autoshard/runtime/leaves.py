@@ -11,21 +11,23 @@ still see only the DTensor parameters.
 read from the leaf, which Dynamo guards on. It is copied over whenever a forward reads the
 parameter eagerly; for every parameter under a module passed to ``shard`` when Dynamo traces
 that module's forward, which calls :func:`check_before_tracing` first (once per traced
-forward, not once per parameter use, which cost each use ~3 ms of tracing); and, for changes after compiling, by
-the compiled graph before each call (:func:`stale`; the backend then runs that call eagerly
-and Dynamo recompiles the next one). A compiled submodule that was not itself passed to
-``shard`` has no such check: a change made before its first compiled call is then caught by
-:func:`stale` (one eager call, and on torch releases that do not retrace on an input's
-``requires_grad`` alone, eager calls until the root is traced again).
+forward, not once per parameter use, which slowed the tracing of every use: docs/design.md,
+"2. Capture"); and, for changes after compiling, by the compiled graph before each call
+(:func:`stale`; the backend then runs that call eagerly and Dynamo recompiles the next one). A
+compiled submodule that was not itself passed to ``shard`` has no such check: a change made
+before its first compiled call is then caught by :func:`stale` (one eager call, and on torch
+releases that do not retrace on an input's ``requires_grad`` alone, eager calls until the root
+is traced again).
 
 Each leaf has a *ghost*: a tensor of the full parameter's shape and compute dtype that holds
 one element. While Dynamo traces a forward for autoshard's backend (:data:`GHOSTS`, set as a
 root's forward is traced), a synchronised read returns the ghost: a plain graph input, as
-cheap to trace as an unsharded parameter, where an annotation op per use doubled Dynamo's
-time. The backend hands the compiled graph the leaf in its place and gathers it there
-(autoshard/compiler/ghosts.py). Any other backend gets the annotation op per use (real
-collectives), never a ghost. (A module compiled on its own with another backend after its
-root was traced for autoshard's would still read ghosts; they hold NaN, so its outputs say so.)
+cheap to trace as an unsharded parameter, where an annotation op per use costs Dynamo far more
+(figures in docs/design.md, "2. Capture"). The backend hands the compiled graph the leaf in its
+place and gathers it there (autoshard/compiler/ghosts.py). Any other backend gets the
+annotation op per use (real collectives), never a ghost. (A module compiled on its own with
+another backend after its root was traced for autoshard's would still read ghosts; they hold
+NaN, so its outputs say so.)
 
 The gradient autograd accumulates into the trainable leaf is the DTensor parameter's ``.grad``:
 its local tensor *is* the leaf's ``.grad`` (:class:`_GradLink`), so accumulation adds in place
