@@ -99,6 +99,15 @@ def _matmul_flops(dtype: torch.dtype, repeats: int, min_seconds: float) -> float
     return 2 * n**3 / statistics.median(_timed(lambda: torch.mm(a, b), repeats))
 
 
+# The compute figures besides the matmul peaks: fields of both DeviceProfile and Measurements.
+_SCALAR_FIGURES = ("mem_bandwidth", "launch_overhead", "op_overhead", "comm_overlap", "comm_issue_cost")
+
+
+def _figure_fields(figures: dict[str, float]) -> dict[str, Any]:
+    """:func:`compute_figures`' figures as the fields of a profile (or of :class:`Measurements`)."""
+    return {"peak_flops": {dtype: figures[dtype] for dtype in _DTYPE_NAMES}, **{key: figures[key] for key in _SCALAR_FIGURES}}
+
+
 def compute_figures(repeats: int) -> dict[str, float]:
     """This rank's compute figures, measured as the module docstring says; every rank of the
     default group must call it together. Keys: the dtype names of MATMUL_DTYPES (FLOP/s),
@@ -224,31 +233,13 @@ def measure(
         for kind, nbytes in results[0]["collectives"]:
             seconds = max(statistics.median(r["collectives"][kind, nbytes]) for r in results)
             samples.append(Sample(kind, w, nbytes, seconds))
-    return Measurements(
-        peak_flops={name: compute[name] for name in _DTYPE_NAMES},
-        mem_bandwidth=compute["mem_bandwidth"],
-        launch_overhead=compute["launch_overhead"],
-        op_overhead=compute["op_overhead"],
-        comm_overlap=compute["comm_overlap"],
-        comm_issue_cost=compute["comm_issue_cost"],
-        samples=samples,
-        threads={w: _threads(w) for w in world_sizes},
-    )
+    return Measurements(**_figure_fields(compute), samples=samples, threads={w: _threads(w) for w in world_sizes})
 
 
 def with_compute(profile: DeviceProfile, figures: dict[str, float], name: str) -> DeviceProfile:
     """``profile`` with the compute figures of :func:`compute_figures` instead of its own; its
     links (collective latencies and bandwidths) unchanged."""
-    return replace(
-        profile,
-        name=name,
-        peak_flops={dtype: figures[dtype] for dtype in _DTYPE_NAMES},
-        mem_bandwidth=figures["mem_bandwidth"],
-        launch_overhead=figures["launch_overhead"],
-        op_overhead=figures["op_overhead"],
-        comm_overlap=figures["comm_overlap"],
-        comm_issue_cost=figures["comm_issue_cost"],
-    )
+    return replace(profile, name=name, **_figure_fields(figures))
 
 
 def calibrate(
