@@ -63,6 +63,7 @@ WHERE = (
     "AutoshardTrainer: ",  # autoshard.integrations: the class the user named
     "AutoshardFabricStrategy",  # ": " or ".save_checkpoint: ", ".load_checkpoint: "
     "AutoshardStrategy: ",
+    "autoshard.integrations.torchtitan: ",  # the module named on torchtitan's command line
 )
 
 # (file, enclosing function, exception) -> why its message need not start with a WHERE.
@@ -83,6 +84,8 @@ INTERNAL = {
         "wrapped by _read_checked: \"autoshard.load: checkpoint P: cannot read .metadata: <this>; ...\"",
     ("autoshard/tools/explain.py", "load_factory", "FileNotFoundError"):
         "wrapped at once: \"autoshard explain: cannot load F from P: FileNotFoundError: <this>\"",
+    ("autoshard/integrations/torchtitan.py", "__getattr__", "AttributeError"):
+        "Python's own form for a module attribute (\"module 'M' has no attribute 'N'\"): torchtitan's --config lookup reads it",
     ("autoshard/tools/explain.py", "_shape", "argparse.ArgumentTypeError"):
         "argparse frames it: \"autoshard explain: error: argument --input-shape: <this>\"",
 }

@@ -11,6 +11,7 @@ import pytest
 pytest.importorskip("transformers", reason="the integrations tier needs its extra: pip install -e '.[integrations]'")
 pytest.importorskip("accelerate", reason="the integrations tier needs its extra: pip install -e '.[integrations]'")
 pytest.importorskip("lightning", reason="the integrations tier needs its extra: pip install -e '.[integrations]'")
+pytest.importorskip("torchtitan.models.llama3", reason="the integrations tier needs its extra: pip install -e '.[integrations]'")
 
 
 from autoshard.tools.launch import run_ranks
@@ -19,7 +20,7 @@ from launch_env import as_launched, free_port
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "integrations.md"
 SNIPPETS = dict(re.findall(r"```python\n# snippet: (\w+)\n(.*?)```", DOC.read_text(), flags=re.S))
-SAVES = {"hf": "out/final/model.safetensors", "fabric": "ckpt", "trainer": "trainer.ckpt"}
+SAVES = {"hf": "out/final/model.safetensors", "fabric": "ckpt", "trainer": "trainer.ckpt", "torchtitan": "ckpt/.metadata"}
 
 
 def _run(code: str, folder: str, port: int) -> None:
