@@ -20,7 +20,7 @@ from .graph_utils import (
     val,
     wait_of,
 )
-from .storage import storage_roots
+from .step_model import storage_roots
 
 aten = torch.ops.aten
 resize_storage_bytes_ = torch.ops.inductor.resize_storage_bytes_.default

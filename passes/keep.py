@@ -29,7 +29,7 @@ import itertools
 from torch import fx
 
 from .graph_utils import PARAMS, arg, block_of, collective_kind, nbytes
-from .storage import storage_roots
+from .step_model import storage_roots
 
 KEPT_BLOCKS = "autoshard_kept_blocks"  # on a lowered joint graph: the blocks kept beyond needed_first
 

@@ -4,16 +4,19 @@ The scheduling pass compares candidate orders with these two numbers, so they ar
 (one scan of the order) and see only the graph: bytes held outside it (optimizer state)
 are the caller's to add. ``autoshard.tools.sim.simulator`` plays the forward and backward
 together, with the cost model's overlap and slowdown, for reports.
+
+Which storage each node uses is walked here once (:func:`_rooted`), under the model's rule
+(:class:`Storages`) and the rule the gloo and keep passes free and keep by (:func:`storage_roots`).
 """
 from __future__ import annotations
 
 import bisect
 import operator
-from typing import Any, Callable, Collection, Sequence
+from typing import Any, Callable, Collection, Iterable, Sequence
 
 from torch import fx
 
-from autoshard._compat import c10d
+from autoshard._compat import c10d, schema_of
 
 from .graph_utils import (
     COPY_OUT,
@@ -91,6 +94,47 @@ def release_points(order: Sequence[fx.Node], late: Collection[str] = ()) -> dict
     return {order[c]: at for c, at in release.items()}
 
 
+def _rooted(nodes: Iterable[fx.Node], base_of: Callable[[fx.Node], fx.Node | None]) -> dict[fx.Node, fx.Node]:
+    """node -> the node that allocated the storage it uses (itself when it allocates), walking
+    ``nodes`` in a topological order, a base rooted before its aliases: the one walker of
+    storage aliases. ``base_of(node)``: the node whose storage ``node`` returns, None when it
+    allocates. Its two rules (:class:`Storages`' and :func:`storage_roots`') and the
+    simulator's (``autoshard.tools.sim.liveness.Liveness``) agree on every stage the passes
+    see (tests/test_models_agree.py)."""
+    root: dict[fx.Node, fx.Node] = {}
+    for n in nodes:
+        base = base_of(n)
+        root[n] = root.get(base, base) if base is not None else n
+    return root
+
+
+def _returns_its_input(node: fx.Node) -> bool:
+    # An in-place op (copy_ into a slice of a bucket, as PyTorch's bucketer does) returns its
+    # first argument: its schema's return shares that argument's alias set.
+    schema = schema_of(node.target)
+    return bool(schema and schema.returns and schema.returns[0].alias_info is not None)
+
+
+def storage_roots(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
+    """node -> the node that allocated the storage it uses (itself when it allocates): what the
+    liveness of the gloo buffers (passes/gloo.py) and of the kept blocks (passes/keep.py) reads.
+    Views, waits and in-place ops return an existing storage, and so does a piece of a view
+    (getitem of split); every getitem is a storage of its own here, as :class:`Storages` takes
+    a multi-output op's outputs."""
+
+    def base_of(n: fx.Node) -> fx.Node | None:
+        base = out_buffer(n)
+        first = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
+        if base is None and first is not None and (
+            is_view(n, hidden=True) or is_wait(n) or _returns_its_input(n)
+            or (n.target is operator.getitem and is_view(first, hidden=True))  # a piece of split(...)
+        ):
+            base = first
+        return base
+
+    return _rooted(graph.nodes, base_of)
+
+
 class Storages:
     """Which storage each node of a graph uses and how large each is: the part of
     :func:`peak_bytes` that no order changes, computed once for a search over many orders.
@@ -101,14 +145,15 @@ class Storages:
     last getitem."""
 
     def __init__(self, nodes: Sequence[fx.Node]) -> None:
-        self.root: dict[fx.Node, fx.Node] = {}  # node -> the node whose storage it uses
         taken: dict[tuple[fx.Node, Any], fx.Node] = {}  # (multi-output node, index) -> its first getitem
-        for n in nodes:  # in a topological order: a base is rooted before its aliases
-            if _taken_apart(n):
-                self.root[n] = self.root.get(taken.setdefault((n.args[0], n.args[1]), n), n)
-                continue
-            base = out_buffer(n) or (n.args[0] if n.args and isinstance(n.args[0], fx.Node) and _aliases(n) else None)
-            self.root[n] = self.root.get(base, base) if base is not None else n
+
+        def base_of(n: fx.Node) -> fx.Node | None:
+            if _taken_apart(n):  # a later getitem of the same output is the first one's alias
+                first = taken.setdefault((n.args[0], n.args[1]), n)
+                return first if first is not n else None
+            return out_buffer(n) or (n.args[0] if n.args and isinstance(n.args[0], fx.Node) and _aliases(n) else None)
+
+        self.root = _rooted(nodes, base_of)  # node -> the node whose storage it uses
         self.size: dict[fx.Node, int] = {}  # a storage's bytes: the largest of its aliases (a pad's output)
         for n in nodes:
             r = self.root[n]
