@@ -16,7 +16,7 @@ def single_type_outcome(plan: Any) -> Any:
     """The single-type plan's outcome: what the planner picks for the cluster taken as all of its
     slowest type, the fastest at even shares under the smallest memory (ties: smaller peak, then
     candidate order) of the candidates it compiles (one all-reduce per block: merged ones are the
-    mixed cluster's own trial, :mod:`autoshard.tools.plan.all_reduce`)."""
+    mixed cluster's own trial, :func:`autoshard.tools.plan.plan.merge_all_reduces`)."""
     limit = math.inf if plan.memory_budget_gb is None else plan.memory_budget_gb * 2**30
     fitting = [(o.step_time, o.peak_bytes, i, o) for i, o in enumerate(plan.outcomes)
                if o.error is None and o.peak_bytes <= limit and o.candidate.all_reduce_blocks == 1]

@@ -42,7 +42,6 @@ from autoshard.compiler.options import parse_options
 from autoshard.runtime.errors import OverBudgetError, UsageError, over_budget_in
 from autoshard.runtime.shard import is_sharded, shard
 from autoshard.tools.explain import add_input_arguments, explain, input_maker, load_factory
-from autoshard.tools.plan.all_reduce import merge_all_reduces
 from autoshard.tools.plan.layouts import PRECISIONS, Bounds, Candidate, Params, candidates
 from autoshard.tools.plan.result import Outcome, Plan, _limit_bytes, _mixed_precision
 from autoshard.tools.plan.shares import best_split
@@ -195,6 +194,38 @@ def _mixed_layouts(search: _Search, blocks: tuple[str, ...], precision: str) -> 
         else:
             miss = k
             k = (fit + k) // 2
+
+
+ALL_REDUCES = ("hybrid", "replicate")  # the strategies whose gradients cross replicas by all-reduce
+
+
+def _all_reduces(o: Outcome) -> bool:
+    c = o.candidate
+    return c.all_reduce_blocks == 1 and (c.strategy in ALL_REDUCES or c.block_strategy in ALL_REDUCES)
+
+
+def merge_all_reduces(search: _Search, blocks: int) -> None:
+    """On a mixed cluster, fewer and larger all-reduces for the replicated layout the plan keeps.
+
+    A hybrid layout's replica all-reduce crosses every node, paced by the slowest type's NICs;
+    its ring pays a latency per step per bucket, one bucket per block. With the batch split by
+    speed, the compute that hid that stream shrinks, and the latency shows. The all-reduces of
+    k blocks in one bucket (the backend option ``all_reduce_blocks``) pay it once, for a bucket
+    k times the size that starts once the k-th block's gradients are ready. Add to ``search``
+    the fastest fitting layout with all-reduces compiled with k = 2, 4, 8, ... blocks per
+    all-reduce while k < ``blocks``, each played as any candidate, stopping at the first k that
+    does not fit or is not faster than the best so far (a larger bucket starts later: past the
+    best k, the step only grows). The single-type plan (every rank as the slowest, even shares)
+    never gets these candidates: ``mixed_summary.single_type_outcome`` leaves them out, so the
+    comparison is with the plan a single-type cluster gets."""
+    fitting = [o for o in search.outcomes if o.mixed_fits and _all_reduces(o)]
+    best = min(fitting, key=lambda o: (o.mixed_step, max(t.peak_bytes for t in o.types)), default=None)
+    k = 2
+    while best is not None and k < blocks:
+        o = search.add(dataclasses.replace(best.candidate, all_reduce_blocks=k))
+        if not o.mixed_fits or o.mixed_step >= best.mixed_step:
+            return
+        best, k = o, 2 * k
 
 
 def plan(
