@@ -1,6 +1,6 @@
 """What the backend did, for people: :class:`~autoshard.tools.report.report.Report` and
 its text summary and Chrome trace (``report.py``), the HTML page (``page.py``) and its
 panels (``memory_panel.py``, ``code.py``), what each pass changed (``pass_changes.py``),
-the drawing helpers (``svg.py``) and what the page modules read (``view.py``).
+and the drawing helpers (``svg.py``).
 
 A new report panel goes here."""

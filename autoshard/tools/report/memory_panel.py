@@ -4,8 +4,8 @@ peak and the lower bound marked; and the tables of what is alive at the peak."""
 from __future__ import annotations
 
 from autoshard.tools.report.svg import Layout, esc, peak_positions, ticks
-from autoshard.tools.report.view import ReportView
 from autoshard.tools.sim.liveness import CATEGORIES
+from autoshard.tools.sim.simulator import StepAnalysis
 from autoshard.tools.units import byte_unit, fmt_bytes, fmt_time
 
 COLORS = {
@@ -34,11 +34,10 @@ def _steps(xs: list[float], ys: list[float]) -> str:
     return " ".join(f"{x:.1f},{y:.1f}" for x, y in keep)
 
 
-def memory_panel(r: ReportView, at: Layout) -> list[str]:
-    """SVG parts: the stacked area (one polygon per category, drawn top-down so each covers
-    the ones above it from its own top), the total as a line, a y axis in one byte unit, the
-    peak dot, the lower bound dashed, and a legend with each category's bytes at the peak."""
-    a = r.analysis
+def memory_panel(a: StepAnalysis, at: Layout) -> list[str]:
+    """SVG parts of ``a``'s memory: the stacked area (one polygon per category, drawn top-down so
+    each covers the ones above it from its own top), the total as a line, a y axis in one byte
+    unit, the peak dot, the lower bound dashed, and a legend with each category's bytes at the peak."""
     curve = a.memory_curve
     if not curve:
         return []
@@ -95,9 +94,8 @@ def memory_panel(r: ReportView, at: Layout) -> list[str]:
     return svg
 
 
-def peak_tables(r: ReportView) -> str:
-    """HTML: the bytes alive at the peak per category, and the largest tensors alive there."""
-    a = r.analysis
+def peak_tables(a: StepAnalysis) -> str:
+    """HTML: the bytes alive at ``a``'s peak per category, and the largest tensors alive there."""
     peak = a.memory_peak
     if peak is None:
         return ""

@@ -1,13 +1,54 @@
 """The report's HTML page: one self-contained file (inline SVG and CSS, no script, nothing
-fetched) drawn from a :class:`autoshard.tools.report.report.Report`."""
+fetched) drawn from a :class:`autoshard.tools.report.report.Report`, through :class:`ReportView`:
+what the page reads of it (report.py imports this module to render, so this one does not import
+report.py)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Protocol
+
+from torch import fx
+
+from autoshard.compiler.cost_model import DeviceProfile
 from autoshard.tools.report.code import page_code
 from autoshard.tools.report.memory_panel import MEMORY_CSS, memory_panel, peak_tables
+from autoshard.tools.report.pass_changes import PassSummary
 from autoshard.tools.report.svg import Layout, esc, ticks
-from autoshard.tools.report.view import ReportView
 from autoshard.tools.sim.liveness import parameters_label
+from autoshard.tools.sim.simulator import Event, StepAnalysis
 from autoshard.tools.units import fmt_bytes, fmt_time
+
+
+@dataclass(frozen=True)
+class ComputeGroup:
+    """Consecutive compute nodes of one stage that ran back to back: no collective issued and
+    no wait stalled compute between them. ``label``: the model block most of them come from."""
+
+    stage: str
+    start: float
+    end: float
+    events: tuple[Event, ...]
+    label: str
+
+
+class ReportView(Protocol):
+    """The part of a report the HTML page draws from (its memory panel: ``analysis`` alone)."""
+
+    stages: dict[str, fx.GraphModule]
+    profile: DeviceProfile
+    title: str
+    rank: int
+    analysis: StepAnalysis
+    passes: list[PassSummary]
+
+    def collectives(self) -> list[Event]: ...
+
+    def compute_groups(self) -> list[ComputeGroup]: ...
+
+    def backward_start(self) -> float | None: ...
+
+    def summary_rows(self) -> list[tuple[str, str]]: ...
+
 
 PAGE_STAGES = ("forward", "backward")  # whose code the page carries: what runs; the rest are named
 
@@ -76,7 +117,7 @@ def _boxes(r: ReportView, at: Layout) -> list[str]:
 def _timeline(r: ReportView) -> str:
     a = r.analysis
     at = Layout(max([a.step_time, *(e.end for e in a.timeline)]) or 1.0, ("compute", *sorted({e.lane for e in r.collectives()})))
-    svg = _lanes(r, at) + memory_panel(r, at) + _boxes(r, at)
+    svg = _lanes(r, at) + memory_panel(r.analysis, at) + _boxes(r, at)
     w = at.left + at.width + 20
     return f'<svg width="{w}" height="{at.height}" viewBox="0 0 {w} {at.height}" role="img">{"".join(svg)}</svg>'
 
@@ -134,7 +175,7 @@ named by the module most of them come from. Red shading in it is exposed communi
 bucket table. Below, the live memory of this rank, stacked by what it holds, with its peak marked and the lower bound dashed
 (no order of the same compute needs less).</p>
 {_timeline(r)}
-<h2>Memory at the peak</h2>{peak_tables(r)}
+<h2>Memory at the peak</h2>{peak_tables(r.analysis)}
 <h2>Buckets</h2><p>One row per collective, the most exposed first: <i>exposed</i> is the step time it added (compute waiting
 at its wait, the step running past the last compute to finish it, compute slowed while it ran).</p>
 <table><tr><th>stage</th><th>kind</th><th>node</th><th>bucket</th><th>bytes</th><th>start</th><th>duration</th><th>exposed</th>

@@ -24,10 +24,9 @@ from autoshard.passes.schedule import PLAN
 from autoshard.runtime.errors import UsageError
 from autoshard.runtime.ops import UNSHARD
 from autoshard.tools.report.code import node_block
-from autoshard.tools.report.page import render_html
+from autoshard.tools.report.page import ComputeGroup, render_html
 from autoshard.tools.report.pass_changes import PassSummary, op_label, summarize_pass
 from autoshard.tools.report.svg import downsample, peak_positions
-from autoshard.tools.report.view import ComputeGroup
 from autoshard.tools.sim.liveness import CATEGORIES, parameters_label
 from autoshard.tools.sim.simulator import EVENT_KINDS, Event, StepAnalysis, analyze
 from autoshard.tools.units import fmt_bytes, fmt_energy, fmt_time
