@@ -76,7 +76,7 @@ def test_a_cluster_lays_its_node_groups_out_in_rank_order():
 def test_the_mixed_simulator_on_one_profile_is_the_simulator():
     report = _report()
     same = Cluster((NodeGroup(1, SLOW, 2), NodeGroup(1, SLOW, 2)))
-    step, busy, wait = step_times(report.stages["forward"], report.stages["backward"], same, [1.0, 1.0], report.group_ranks)
+    step, busy, wait = step_times(report.stages["forward"], report.stages["backward"], same, [1.0, 1.0], report.simulation.group_ranks)
     analysis = analyze(report.stages["forward"], report.stages["backward"], SLOW)
     assert step == pytest.approx(analysis.step_time, rel=1e-9)
     assert busy == pytest.approx([analysis.compute_time] * 2, rel=1e-9)
@@ -84,7 +84,7 @@ def test_the_mixed_simulator_on_one_profile_is_the_simulator():
 
 def test_a_rank_twice_as_slow_sets_the_step_and_its_proportional_share_shortens_it():
     report = _report()
-    fwd, bwd, groups = report.stages["forward"], report.stages["backward"], report.group_ranks
+    fwd, bwd, groups = report.stages["forward"], report.stages["backward"], report.simulation.group_ranks
     even, busy, wait = step_times(fwd, bwd, _mixed_cluster(), [1.0, 1.0], groups)
     assert busy[1] == pytest.approx(2 * busy[0], rel=1e-9)  # half the flops and bytes per second
     assert wait[0] > wait[1]  # the fast ranks wait for the slow ones at every collective

@@ -46,16 +46,17 @@ def _cluster(small: float, big: float) -> Cluster:
 def test_a_model_that_does_not_fit_the_small_ranks_under_even_shards_fits_under_planned_state_shares():
     report, (_, extra) = _report(), _even_bytes()
     cluster = _cluster(small=0.9, big=3.0)
-    even = best_split(report, cluster, extra, None, state_shares=False)
+    even = best_split(report.simulation, cluster, extra, None, state_shares=False)
     assert not even.fits and not even.types[1].fits  # the small type: over its memory even with no sample
-    planned = best_split(report, cluster, extra, None, state_shares=True)
+    planned = best_split(report.simulation, cluster, extra, None, state_shares=True)
     assert planned.fits, planned
     fast, slow = planned.types
     assert slow.peak_bytes <= slow.limit_bytes and fast.peak_bytes <= fast.limit_bytes
     assert slow.state_share < 1 / 4 < fast.state_share  # the small memory holds less of the state
     assert 2 * fast.state_share + 2 * slow.state_share == pytest.approx(1.0)
     # A layout that cannot cut its state (replicate, hybrid) gets no state shares.
-    assert all(t.state_share is None for t in best_split(report, _cluster(small=2.0, big=3.0), extra, None, state_shares=True).types)
+    roomy = _cluster(small=2.0, big=3.0)
+    assert all(t.state_share is None for t in best_split(report.simulation, roomy, extra, None, state_shares=True).types)
 
 
 def test_the_padding_is_priced_in_memory_and_time():
@@ -67,8 +68,8 @@ def test_the_padding_is_priced_in_memory_and_time():
     assert max(shared["gathered"]) == int(1.5 * max(curves["gathered"])) and with_state(curves, 1.0, 1.0) == curves
     fwd, bwd = report.stages["forward"], report.stages["backward"]
     cluster = _cluster(small=1.0, big=1.0)
-    step, _, _ = step_times(fwd, bwd, cluster, [1.0, 1.0], report.group_ranks)
-    wider, _, _ = step_times(fwd, bwd, cluster, [1.0, 1.0], report.group_ranks, comm_factor=1.5)
+    step, _, _ = step_times(fwd, bwd, cluster, [1.0, 1.0], report.simulation.group_ranks)
+    wider, _, _ = step_times(fwd, bwd, cluster, [1.0, 1.0], report.simulation.group_ranks, comm_factor=1.5)
     assert wider > step  # gathers of N * max rows take longer
 
 

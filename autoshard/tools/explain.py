@@ -76,7 +76,7 @@ def explain(
     reports = _explain(model_or_factory, lambda _model: example_args, world_size, profile, options, stages)
     if cluster is not None:
         for report in reports:
-            report.mixed_cluster_step = best_split(report, cluster, 0, None)
+            report.mixed_cluster_step = best_split(report.simulation, cluster, 0, None)
     if len(reports) != 1:
         raise UsageError(
             f"autoshard.explain: Dynamo compiled {len(reports)} graphs (graph breaks); use autoshard.explain_graphs, which "

@@ -126,15 +126,15 @@ class _Search:
                     self.smallest_over = min(self.smallest_over or over.smallest_bytes, over.smallest_bytes)
                 outcome = Outcome(c, error=OVER_BUDGET)
             else:
-                m = report.metrics
+                a, shard_bytes = report.simulation.analysis, report.metrics["shard_bytes"]  # the latter: the captured graph's
                 states = self.bounds.optimizer_states
                 on_cluster = {}
                 if self.cluster is not None:  # the same graphs on each rank type, with planned batch shares
                     can_cut_state = {c.strategy, c.block_strategy or c.strategy} <= {"full", "grad_op"} and c.experts == "gathered"
-                    step = best_split(report, self.cluster, states * m["shard_bytes"], self.budget_gb, state_shares=can_cut_state)
+                    step = best_split(report.simulation, self.cluster, states * shard_bytes, self.budget_gb, state_shares=can_cut_state)
                     on_cluster = {"mixed_step": step.step_time, "types": step.types}
-                outcome = Outcome(c, m["step_time"], m["exposed_comm"], int(m["peak_bytes"] + states * m["shard_bytes"]),
-                                  energy_j=m["energy_j"], link_bytes=self.bounds.link_bytes(c), **on_cluster)
+                outcome = Outcome(c, a.step_time, a.exposed_comm, int(a.peak_bytes + states * shard_bytes),
+                                  energy_j=a.energy_j, link_bytes=self.bounds.link_bytes(c), **on_cluster)
         self.outcomes.append(outcome)
         if self.progress is not None:
             on_cluster = "" if outcome.mixed_step is None else f", on the mixed cluster {fmt_time(outcome.mixed_step)}"

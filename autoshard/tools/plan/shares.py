@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autoshard.tools.report.report import Report
 from autoshard.tools.sim.cluster import Cluster
 from autoshard.tools.sim.mixed_cluster import TypeStep, most_factor, scaled_peak, step_times
+from autoshard.tools.sim.simulator import Simulation
 
 ROUNDS = 6  # refinements on the simulator after the proportional split
 
@@ -47,14 +47,14 @@ def _capped(weights: list[float], counts: list[int], caps: list[float], world: i
         fixed.update({t: caps[t] for t in over})
 
 
-def best_split(report: Report, cluster: Cluster, extra_bytes: float, default_budget_gb: float | None,
-         state_shares: bool = False) -> MixedStep:
-    """The best split of ``report``'s layout over ``cluster`` that fits every type's memory
-    (``extra_bytes``: per-rank bytes the report's peak leaves out, the optimizer state); the
-    even split, over budget, when none fits. ``state_shares``: the layout can cut the state
-    unevenly (strategies "full" and "grad_op")."""
-    fwd, bwd = report.stages["forward"], report.stages.get("backward")
-    by_category = report.analysis.memory_by_category
+def best_split(simulation: Simulation, cluster: Cluster, extra_bytes: float, default_budget_gb: float | None,
+               state_shares: bool = False) -> MixedStep:
+    """The best split of ``simulation``'s layout over ``cluster`` that fits every type's memory
+    (``extra_bytes``: per-rank bytes its peak leaves out, the optimizer state); the even split,
+    over budget, when none fits. ``state_shares``: the layout can cut the state unevenly
+    (strategies "full" and "grad_op")."""
+    fwd, bwd = simulation.forward, simulation.backward
+    by_category = simulation.analysis.memory_by_category
     counts = [g.ranks for g in cluster.nodes]
     world = cluster.world_size
     limits = [None if (gb := g.memory_gb if g.memory_gb is not None else default_budget_gb) is None else gb * 2**30
@@ -69,7 +69,7 @@ def best_split(report: Report, cluster: Cluster, extra_bytes: float, default_bud
     curves = [with_state(by_category, s, max(state)) for s in state]
 
     def result(factors: list[float]) -> MixedStep:
-        step, busy, wait = step_times(fwd, bwd, cluster, factors, report.group_ranks, comm_factor=max(state))
+        step, busy, wait = step_times(fwd, bwd, cluster, factors, simulation.group_ranks, comm_factor=max(state))
         return MixedStep(step, tuple(
             TypeStep(g.name, g.ranks, f / world, b, w, int(scaled_peak(curve, f) + extra_bytes * s), limit, g.price_per_hour,
                      None if max(state) == 1.0 else s / world)

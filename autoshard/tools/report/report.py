@@ -17,7 +17,7 @@ import torch.distributed as dist
 from tabulate import tabulate
 from torch import fx
 
-from autoshard.compiler.cost_model import DeviceProfile, collective_of, get_profile
+from autoshard.compiler.cost_model import DeviceProfile, get_profile
 from autoshard.compiler.pipeline import STAGES
 from autoshard.passes.graph_utils import parameter_reads
 from autoshard.passes.schedule import PLAN
@@ -28,7 +28,7 @@ from autoshard.tools.report.page import ComputeGroup, render_html
 from autoshard.tools.report.pass_changes import PassSummary, op_label, summarize_pass
 from autoshard.tools.report.svg import downsample, peak_positions
 from autoshard.tools.sim.liveness import CATEGORIES, parameters_label
-from autoshard.tools.sim.simulator import EVENT_KINDS, Event, StepAnalysis, analyze
+from autoshard.tools.sim.simulator import EVENT_KINDS, Event, Simulation, StepAnalysis, simulate
 from autoshard.tools.units import fmt_bytes, fmt_energy, fmt_time
 
 __all__ = ["STAGES", "ComputeGroup", "PassSummary", "Report", "op_label", "summarize_pass"]
@@ -38,9 +38,10 @@ class Report:
     """Stages, pass summaries and the simulated step of one compiled graph (one rank).
 
     ``stages``: stage name -> graph, in :data:`STAGES` order (copies; never modified).
-    ``analysis``: :func:`autoshard.tools.sim.simulator.analyze` of the final forward and backward (no
-    backward for an inference graph) on ``profile``; ``metrics`` and every table, page and
-    trace are read from it, never recomputed. Build it while the process group the graph
+    ``simulation``: :func:`autoshard.tools.sim.simulator.simulate` of the final forward and backward
+    (no backward for an inference graph) on ``profile``, what the planner reads too; ``analysis``
+    its :class:`StepAnalysis`, which ``metrics`` and every table, page and trace are read from,
+    never recomputed. Build it while the process group the graph
     was compiled on is still initialised: collectives are priced by their group's ranks, and
     its size is ``world_size`` (None without one), which prices the step's energy over all ranks.
     """
@@ -56,11 +57,8 @@ class Report:
         self.title = title
         self.rank = rank if rank is not None else (dist.get_rank() if dist.is_initialized() else 0)
         self.world_size: int | None = dist.get_world_size() if dist.is_initialized() else None
-        self.analysis: StepAnalysis = analyze(self.stages["forward"], self.stages.get("backward"), self.profile)
-        # Each process group's ranks, read while the group lives (the mixed-cluster simulator needs them later).
-        self.group_ranks: dict[str, tuple[int, ...]] = {
-            c.group: tuple(c.ranks) for s in ("forward", "backward") if s in self.stages
-            for n in self.stages[s].graph.nodes if (c := collective_of(n)) is not None}
+        self.simulation: Simulation = simulate(self.stages["forward"], self.stages.get("backward"), self.profile)
+        self.analysis: StepAnalysis = self.simulation.analysis
         self.passes = self._passes()
         self.metrics = self._metrics()
         self.mixed_cluster_step: Any = None  # explain(cluster=...): the step on a mixed cluster (plan.shares.MixedStep)

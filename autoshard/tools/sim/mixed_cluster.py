@@ -63,7 +63,7 @@ def step_times(forward: fx.GraphModule, backward: fx.GraphModule | None, cluster
                group_ranks: dict[str, tuple[int, ...]], comm_factor: float = 1.0) -> tuple[float, list[float], list[float]]:
     """(step seconds, busy seconds per type, waiting seconds per type) with each node group's
     ranks at ``factors[i]`` times the even batch; ``group_ranks``: rank 0's ranks of each
-    process group named in the graphs (:attr:`autoshard.Report.group_ranks`). ``comm_factor``:
+    process group named in the graphs (:attr:`autoshard.tools.sim.simulator.Simulation.group_ranks`). ``comm_factor``:
     the widest state factor under state shares: every all-gather and reduce-scatter moves
     shards padded to the widest share (no all-gather-v), that many times the even bytes."""
     types = range(len(cluster.nodes))

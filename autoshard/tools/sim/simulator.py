@@ -109,6 +109,29 @@ class StepAnalysis:
     stalls: list[Stall] = field(default_factory=list, repr=False)  # the exposed intervals, in time order
 
 
+@dataclass(frozen=True)
+class Simulation:
+    """One simulated training step and what it was played from: the final ``forward`` and
+    ``backward`` graphs (None: inference), the ``profile``, the :class:`StepAnalysis`, and each
+    process group's ranks (read while the groups lived: the mixed-cluster simulator replays
+    the graphs later). What the report draws and the planner compares; neither recomputes it."""
+
+    forward: fx.GraphModule
+    backward: fx.GraphModule | None
+    profile: DeviceProfile
+    analysis: StepAnalysis
+    group_ranks: dict[str, tuple[int, ...]] = field(default_factory=dict)
+
+
+def simulate(forward: fx.GraphModule, backward: fx.GraphModule | None, profile: str | DeviceProfile) -> Simulation:
+    """The :class:`Simulation` of :func:`analyze`'s step. Call it while the process group the
+    graphs were compiled on is still initialised: collectives are priced by their group's ranks."""
+    profile = get_profile(profile)
+    groups = {c.group: tuple(c.ranks) for gm in (forward, backward) if gm is not None
+              for n in gm.graph.nodes if (c := collective_of(n)) is not None}
+    return Simulation(forward, backward, profile, analyze(forward, backward, profile), groups)
+
+
 def _simulate(order: Order, sources: dict[fx.Node, fx.Node], profile: DeviceProfile, config: ScheduleConfig) -> dict:
     clock = compute_time = 0.0
     stream_free: dict[str, float] = {}  # per process group
