@@ -14,6 +14,10 @@ predicted step and memory for the same job (its default schedule, and optionally
     python bench/published.py --profile h100           # on another profile
     python bench/published.py --plan                   # also autoshard.plan's choice (slow)
     python bench/published.py --set nic_per_rank=False # a profile figure replaced
+    python bench/published.py --a100                   # the second system: torchtitan's FSDP2 on 64 A100
+
+The simulator plays the unfused graph (eager PyTorch's kernels); a compiled run's step is that
+less what fusing each block's memory-bound ops saves (autoshard/tools/sim/fusion.py).
 
 Memory is the simulator's peak of live tensors plus AdamW's two float32 states per shard
 (torchtitan reports the allocator's peak reserved memory). Tokens/s/GPU is the local batch's
@@ -37,6 +41,7 @@ from llama3 import LLAMA3_8B, Llama3, LlamaConfig  # noqa: E402
 
 import autoshard  # noqa: E402
 from autoshard.compiler.cost_model import get_profile  # noqa: E402
+from autoshard.tools.sim.fusion import fusion_savings, module_path  # noqa: E402
 
 BF16 = autoshard.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 ADAMW_STATES = 2  # float32 tensors per parameter shard (exp_avg, exp_avg_sq)
@@ -51,7 +56,7 @@ class Published:
     world: int
     compiled: bool
     tokens_per_s: float  # per GPU
-    memory_gib: float  # peak reserved, per GPU
+    memory_gib: float | None  # peak reserved, per GPU (None: not published)
     batch: int = 2
     seq: int = 8192
 
@@ -64,6 +69,20 @@ RUNS = (
 )
 
 
+# A second published system: torchtitan's FSDP2 on 64 A100 80GB (docs/performance.md, "Llama 3
+# performance numbers", torchtitan commit 0413364): Llama 3 8B, local batch 1 (seq 8192),
+# selective op AC, eager, 2,973 tokens/s/GPU (no memory published). Its machine as the `a100`
+# profile (DGX A100) with a NIC per GPU: a DGX A100 has eight 200 Gb/s HDR NICs for its
+# compute fabric, one per GPU (the DGX A100 user guide, the `a100` profile's own source).
+A100_SOURCE = "torchtitan docs/performance.md, Llama 3 table, 8B selective op AC (commit 0413364, 2024)"
+A100_RUNS = (Published(64, False, 2973, None, batch=1),)
+
+
+def a100_profile() -> Any:
+    """The `a100` profile with a NIC per GPU, as a DGX A100 has them."""
+    return replace(get_profile("a100"), name="a100_nic_per_gpu", nic_per_rank=True)
+
+
 def _factory(cfg: LlamaConfig) -> Callable[[], torch.nn.Module]:
     def make() -> torch.nn.Module:
         # Called inside explain's fake world: shard over all of it, in torchtitan's precision.
@@ -71,20 +90,39 @@ def _factory(cfg: LlamaConfig) -> Callable[[], torch.nn.Module]:
     return make
 
 
+def in_block(node: torch.fx.Node) -> bool:
+    """Whether ``node`` comes from a transformer block: what torchtitan's torch.compile
+    compiles (each block apart; embedding, final norm, output and loss stay eager)."""
+    return ".layers." in module_path(node)
+
+
 def simulate(cfg: LlamaConfig, run: Published, profile: Any, schedule: str) -> dict[str, float]:
     """Predicted step (s), tokens/s/GPU and memory (GiB, AdamW state included) of ``run``
-    with ``schedule``, and the step's compute and exposed communication."""
+    with ``schedule``, and the step's compute and exposed communication. A compiled run's
+    step is the simulated (unfused, eager) step less what fusing each block's memory-bound
+    ops saves (:func:`autoshard.tools.sim.fusion.fusion_savings`); compute runs on one
+    stream, so the saving comes off the step whole (the exposed communication held as
+    simulated)."""
+    metrics, saved = _played(cfg, run, profile, schedule)
+    return _figures(metrics, run, saved if run.compiled else 0.0)
+
+
+def _played(cfg: LlamaConfig, run: Published, profile: Any, schedule: str) -> tuple[dict[str, Any], float]:
+    """The simulator's metrics of ``run``'s step (eager: unfused) and the seconds fusing its
+    blocks would save."""
     tokens = torch.zeros(run.batch, run.seq, dtype=torch.long)
     report = autoshard.explain(_factory(cfg), tokens, tokens, world_size=run.world, profile=profile,
                                stages=("captured", "forward", "backward"), schedule=schedule)
-    return _figures(report.metrics, run)
+    saved = sum(fusion_savings(report.stages[s], get_profile(profile), in_block).saved for s in ("forward", "backward"))
+    return report.metrics, saved
 
 
-def _figures(m: dict[str, Any], run: Published) -> dict[str, float]:
-    step = m["step_time"]
+def _figures(m: dict[str, Any], run: Published, fused: float = 0.0) -> dict[str, float]:
+    step = m["step_time"] - fused
     return {"step_s": step, "tokens_per_s": run.batch * run.seq / step,
             "memory_gib": (m["peak_bytes"] + ADAMW_STATES * m["shard_bytes"]) / 2**30,
-            "compute_s": m["compute_time"], "exposed_pct": 100 * m["exposed_comm"] / step}
+            "compute_s": m["compute_time"] - fused, "exposed_pct": 100 * m["exposed_comm"] / step,
+            "fusion_saved_s": fused}
 
 
 def planned(cfg: LlamaConfig, run: Published, profile: Any) -> dict[str, Any]:
@@ -107,17 +145,17 @@ def replay(profile: Any = "h100_grand_teton", cfg: LlamaConfig = LLAMA3_8B, runs
     for run in runs:
         start = time.perf_counter()
         job = replace(cfg, seq_len=max(cfg.seq_len, run.seq))
-        # The simulator plays the unfused ATen graph either way: a compiled run's prediction
-        # is its eager twin's (docs/published.md says what that leaves out).
+        # One compile per job: the simulator plays the unfused (eager) graph, and a compiled
+        # run's step is the eager one less what fusing its blocks saves.
         key = (run.world, run.batch, run.seq)
         if key not in seen:
-            seen[key] = simulate(job, run, profile, "fsdp2"), simulate(job, run, profile, "autoshard")
-        fsdp2, ours = seen[key]
+            seen[key] = _played(job, run, profile, "fsdp2"), _played(job, run, profile, "autoshard")
+        fsdp2, ours = (_figures(m, run, saved if run.compiled else 0.0) for m, saved in seen[key])
         row = {"gpus": run.world, "compile": run.compiled,
                "published_tok_s": run.tokens_per_s, "predicted_tok_s": fsdp2["tokens_per_s"],
                "tok_s_ratio": fsdp2["tokens_per_s"] / run.tokens_per_s,
                "published_gib": run.memory_gib, "predicted_gib": fsdp2["memory_gib"],
-               "gib_ratio": fsdp2["memory_gib"] / run.memory_gib,
+               "gib_ratio": None if run.memory_gib is None else fsdp2["memory_gib"] / run.memory_gib,
                "step_s": fsdp2["step_s"], "compute_s": fsdp2["compute_s"], "exposed_pct": fsdp2["exposed_pct"],
                "autoshard_step_s": ours["step_s"], "autoshard_gib": ours["memory_gib"],
                "autoshard_vs_fsdp2": ours["step_s"] / fsdp2["step_s"]}
@@ -134,17 +172,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--profile", default="h100_grand_teton", help="a named profile or a .json profile file")
     parser.add_argument("--worlds", nargs="+", type=int, default=[8, 128])
+    parser.add_argument("--a100", action="store_true",
+                        help="the second system instead: torchtitan's FSDP2 Llama 3 8B on 64 A100 (profile a100 with a NIC per GPU)")
     parser.add_argument("--plan", action="store_true", help="also autoshard.plan's choice (several compiles per run)")
     parser.add_argument("--set", nargs="+", default=[], metavar="FIGURE=VALUE",
                         help="replace profile figures, e.g. --set matmul_efficiency=1.0 attention_efficiency=None nic_per_rank=False")
     args = parser.parse_args()
-    runs = tuple(r for r in RUNS if r.world in args.worlds)
-    profile = get_profile(args.profile)
+    runs = A100_RUNS if args.a100 else tuple(r for r in RUNS if r.world in args.worlds)
+    profile = a100_profile() if args.a100 else get_profile(args.profile)
     if args.set:  # one term off at a time: what each contributes (docs/published.md)
         profile = replace(profile, **{k: ast.literal_eval(v) for k, v in (item.split("=", 1) for item in args.set)})
     rows = replay(profile, runs=runs, with_plan=args.plan, progress=lambda s: print(s, file=sys.stderr, flush=True))
     changed = f" with {' '.join(args.set)}" if args.set else ""
-    print(f"Llama 3.1 8B, FSDP, local batch 2, seq 8192, selective AC; profile {args.profile}{changed}; published: {SOURCE}")
+    if args.a100:
+        print(f"Llama 3 8B, FSDP2, local batch 1, seq 8192, selective op AC; profile {profile.name}{changed}; published: {A100_SOURCE}")
+    else:
+        print(f"Llama 3.1 8B, FSDP, local batch 2, seq 8192, selective AC; profile {args.profile}{changed}; published: {SOURCE}")
     print(tabulate([_formatted(r) for r in rows], headers="keys", disable_numparse=True))
 
 

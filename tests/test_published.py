@@ -77,3 +77,66 @@ def test_causal_attention_is_priced_at_half_its_counted_flops():
     # Without attention_efficiency: the whole square at the matmul rate, as before the term.
     plain = dataclasses.replace(p, attention_efficiency=None)
     assert node_time(node, plain) - p.launch_overhead == pytest.approx(flops / (912e12 * 0.801))
+
+
+def test_fusing_a_pointwise_chain_prices_it_as_one_kernel():
+    """Eager runs each op of x.float() * w -> .sin() -> .to(bf16) as a kernel reading and writing
+    device memory; a fusing compiler runs one kernel reading x and w and writing the result."""
+    import torch
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from autoshard.compiler.cost_model import node_time
+    from autoshard.tools.sim.fusion import fusion_savings
+
+    def chain(x, w):
+        return torch.mm((x.float() * w).sin().to(torch.bfloat16), x.t())
+
+    x = torch.empty(4096, 4096, dtype=torch.bfloat16)
+    w = torch.empty(4096, dtype=torch.float32)
+    gm = make_fx(chain, tracing_mode="fake")(x, w)
+    p = get_profile("h100_grand_teton")
+    fusion = fusion_savings(gm, p)
+    ops = [n for n in gm.graph.nodes if n.op == "call_function" and "mm" not in str(n.target) and "t.default" not in str(n.target)]
+    assert fusion.kernels == 1 and fusion.unfused == pytest.approx(sum(node_time(n, p) for n in ops))
+    # One kernel: x (bf16) and w in, the bf16 result out; the matmul is not fused.
+    assert fusion.fused == pytest.approx(p.launch_overhead + (2 * 4096 * 4096 * 2 + 4096 * 4) / p.mem_bandwidth)
+    assert fusion.saved > 0
+    # Nothing the predicate leaves out is fused.
+    assert fusion_savings(gm, p, lambda node: False) == (0.0, 0.0, 0, 0)
+
+
+def test_a_compiled_run_is_its_eager_twin_less_the_fusion():
+    runs = tuple(dataclasses.replace(r, seq=64) for r in RUNS[:2])
+    eager, compiled = replay("h100_grand_teton", cfg=TINY, runs=runs)
+    assert compiled["step_s"] < eager["step_s"]
+    assert compiled["predicted_gib"] == eager["predicted_gib"]
+
+
+@pytest.mark.slow
+def test_the_published_targets_at_full_size():
+    """Issue 52's targets on the real jobs (about 4 minutes on 2 cores): the second system
+    (torchtitan's FSDP2 on 64 A100) within 20% of its published tokens/s/GPU, and eager
+    faster-than-compiled by fusion alone, by no more than the fusion saves. The H100 rows'
+    targets (tokens/s within 15%, memory within 10%) are not met yet (docs/published.md says
+    why): test_the_unmet_h100_targets fails as soon as they are, to be promoted here."""
+    from published import A100_RUNS, a100_profile
+
+    (a100,) = replay(a100_profile(), runs=A100_RUNS)
+    assert 0.8 <= a100["tok_s_ratio"] <= 1.2
+    rows = replay("h100_grand_teton")
+    for eager, compiled in (rows[0:2], rows[2:4]):
+        assert compiled["step_s"] < eager["step_s"]
+        # The published eager/compiled gap (1.16x at 8 GPUs) is within the ideal fusion's.
+        assert 1.1 < eager["step_s"] / compiled["step_s"] < 1.35
+    _unmet.extend(rows)
+
+
+_unmet: list = []
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="issue 52: the H100 rows are 1.19-1.32x too fast and memory 15-23% low (docs/published.md)")
+def test_the_unmet_h100_targets():
+    rows = _unmet or replay("h100_grand_teton")
+    assert all(abs(r["tok_s_ratio"] - 1) <= 0.15 for r in rows)
+    assert all(abs(r["gib_ratio"] - 1) <= 0.10 for r in rows)
