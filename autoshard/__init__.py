@@ -25,6 +25,7 @@ from autoshard.runtime.materialize import materialize
 from autoshard.runtime.mixed_precision import MixedPrecision
 from autoshard.runtime.shard import is_sharded, shard
 from autoshard.runtime.state_shares import full_tensor
+from autoshard.runtime.telemetry import Telemetry
 from autoshard.tools import launch
 from autoshard.tools.explain import explain, explain_graphs
 from autoshard.tools.plan.plan import Plan, plan
@@ -36,7 +37,7 @@ from autoshard.tools.sim.cluster import Cluster, NodeGroup
 # the tests and benchmarks, but are not part of it.
 __all__ = [
     "AutoshardError", "CheckpointError", "Cluster", "InflightCapError", "MixedPrecision", "NodeGroup", "OverBudgetError", "Plan",
-    "PlanMismatchError", "RankFailedError", "Report", "ShardLayout", "UsageError", "batch_sizes", "explain", "explain_graphs",
+    "PlanMismatchError", "RankFailedError", "Report", "ShardLayout", "Telemetry", "UsageError", "batch_sizes", "explain", "explain_graphs",
     "full_state_dict", "full_tensor", "is_sharded", "load", "materialize", "plan", "save", "set_batch_shares", "shard",
     "split_batch",
 ]

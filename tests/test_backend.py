@@ -72,6 +72,8 @@ BAD_OPTIONS = [
                                   rf"got {re.escape(repr(bad))}\.$") for bad in (-1, 1.5, True, "2")],
     *[({"all_reduce_blocks": bad}, rf"^autoshard option 'all_reduce_blocks' must be a whole number >= 1 \(1: one all-reduce per "
                                    rf"block\), got {re.escape(repr(bad))}\.$") for bad in (0, -2, 2.0, True, "2", None)],
+    *[({"telemetry": bad}, rf"^autoshard option 'telemetry' must be True or False, got {re.escape(repr(bad))}\.$")
+      for bad in (1, "yes", None)],
     ({"profile": "tpu"},
      r"^autoshard option 'profile': unknown device profile 'tpu'; use one of \['a100', 'cpu', 'h100', 'h100_grand_teton'\]"),
 ]

@@ -64,6 +64,8 @@ WHERE = (
     "AutoshardFabricStrategy",  # ": " or ".save_checkpoint: ", ".load_checkpoint: "
     "AutoshardStrategy: ",
     "autoshard.integrations.torchtitan: ",  # the module named on torchtitan's command line
+    "autoshard.Telemetry: ",
+    "autoshard report: ",
 )
 
 # (file, enclosing function, exception) -> why its message need not start with a WHERE.

@@ -51,6 +51,9 @@ class Options:
         ready. A whole number >= 1; default 1: one per block. ``autoshard.plan`` may choose it
         on a mixed cluster (``Plan.compile_options``). Without repeated blocks, or under the
         schedules "none" and "inductor" (which do not bucket with autoshard's pass), it changes nothing.
+    telemetry: time every collective's wait of the compiled graphs and count its bytes, for
+        :class:`autoshard.Telemetry` (an ``autoshard::timed_wait`` before each wait,
+        passes/telemetry.py); default False: the graphs carry nothing of it.
     profile: the cost model's device profile for scheduling decisions: a name ("h100",
         "a100", "cpu") or a .json file from ``python -m autoshard calibrate``; default: "h100"
         for graphs on CUDA, "cpu" otherwise.
@@ -66,6 +69,7 @@ class Options:
     optimizer_states: int = 2
     profile: str | None = None
     all_reduce_blocks: int = 1
+    telemetry: bool = False
 
     def __post_init__(self) -> None:
         if self.compiler not in COMPILERS:
@@ -97,6 +101,8 @@ class Options:
                 f"autoshard option 'all_reduce_blocks' must be a whole number >= 1 (1: one all-reduce per block), "
                 f"got {self.all_reduce_blocks!r}."
             )
+        if not isinstance(self.telemetry, bool):
+            raise UsageError(f"autoshard option 'telemetry' must be True or False, got {self.telemetry!r}.")
         if self.profile is not None:
             from autoshard.compiler.cost_model import get_profile
 

@@ -18,7 +18,7 @@ from torch import fx
 from autoshard._compat import save_random_ops_in_checkpoints
 from autoshard.compiler.bucket_plan import choose_bucket_mb
 from autoshard.compiler.consistency import check_ranks_agree, rank0s
-from autoshard.compiler.cost_model import GLOO_RELEASE_LATE
+from autoshard.compiler.cost_model import GLOO_RELEASE_LATE, collective_of
 from autoshard.compiler.logs import phase
 from autoshard.compiler.options import SCHEDULES
 from autoshard.passes import (
@@ -38,6 +38,7 @@ from autoshard.passes import (
 from autoshard.passes.graph_utils import is_copy, mib_to_bytes
 from autoshard.passes.schedule import PLAN, apply_plan
 from autoshard.passes.schedule_config import CollectiveMemory, ScheduleConfig
+from autoshard.passes.telemetry import time_waits
 from autoshard.runtime.batch_shares import uneven_shares_in_use
 
 # What a graph holds, as passes require and provide it.
@@ -197,6 +198,11 @@ def _gloo(gm: fx.GraphModule, ctx: Context) -> None:
         gather_inputs_held(gm)
 
 
+def _time_waits(gm: fx.GraphModule, ctx: Context) -> None:
+    if ctx.options.telemetry:
+        time_waits(gm, collective_of)
+
+
 def gloo_memory(late_release: tuple[str, ...], copied: tuple[str, ...], compiler: str) -> CollectiveMemory:
     """What the memory model must assume of collectives given what :func:`_gloo` does to the
     graph, from the profile's ``late_release`` and ``copied`` kinds (whose input its backend
@@ -272,6 +278,8 @@ PARTITIONED: tuple[Step, ...] = (
     # holds when it likes (see passes/gloo.py).
     Pass("gloo", _gloo, "over gloo, gathers write into buffers, reduce-scatters run as all-to-alls, and the graph frees "
          "their buffers after their last use", frozenset({LOWERED})),
+    # Last, on the order that runs: autoshard.Telemetry's per-kind wait times and bytes.
+    Pass("time_waits", _time_waits, None, frozenset({LOWERED})),
     Stage("{side}"),
 )
 

@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from autoshard.runtime import leaves, ops
 from autoshard.runtime.errors import UsageError
+from autoshard.runtime.telemetry import timed_blocking
 
 SYNC = leaves.SYNC  # on each module owning sharded parameters: whether backward reduces
 SINKS = "_autoshard_sinks"  # on the same modules: parameter name -> sink tensor
@@ -92,7 +93,10 @@ def _flush(modules: list[nn.Module]) -> None:
             pending.append((module._parameters[name], module._autoshard_specs[name], sink.grad))
     with torch.no_grad():
         for bucket in _buckets(pending):
-            for (param, _, _), reduced in zip(bucket, _reduce_bucket(bucket)):
+            kind = "all_reduce" if bucket[0][1].dim0 < 0 else "reduce_scatter"
+            with timed_blocking(kind, sum(g.numel() * g.element_size() for _, _, g in bucket)):  # autoshard.Telemetry
+                reduced_bucket = _reduce_bucket(bucket)
+            for (param, _, _), reduced in zip(bucket, reduced_bucket):
                 scale = param.__dict__.get(leaves.GRAD_SCALE)  # a divide factor (grad_scale.py)
                 if scale is not None:
                     reduced = reduced * scale
