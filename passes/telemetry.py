@@ -6,7 +6,7 @@ from typing import Any, Callable
 import torch
 from torch import fx
 
-import autoshard.runtime.telemetry  # noqa: F401  (registers autoshard::timed_wait)
+import autoshard.runtime.timed_waits  # noqa: F401  (registers autoshard::timed_wait)
 
 from .graph_utils import is_wait
 

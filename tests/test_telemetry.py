@@ -153,3 +153,55 @@ def test_autoshard_report_draws_each_ranks_lane_beside_the_prediction(measured: 
     with pytest.raises(autoshard.UsageError, match="no run header"):
         (tmp_path / "bad.jsonl").write_text("{}\n")
         read_run(tmp_path / "bad.jsonl")
+
+
+def test_the_next_split_moves_part_of_the_way_to_the_measured_speeds_and_ignores_noise() -> None:
+    from autoshard.runtime.adaptive_shares import next_split
+
+    # Rank 0 took 8 samples in 2 s, rank 1 8 in 1 s: speeds 4 and 8, target 16/3 and 32/3.
+    assert next_split([8, 8], [2.0, 1.0], damping=1.0) == [5, 11]
+    assert next_split([8, 8], [2.0, 1.0], damping=0.5) == [7, 9]  # halfway: 6.67 -> 7, 9.33 -> 9
+    assert next_split([8, 8], [1.0, 1.02], damping=0.5, min_change=1) is None  # 2% noise: no change
+    assert next_split([5, 11], [1.25, 1.375]) is None  # at the target already (speeds 4 and 8)
+    sizes = next_split([3, 3, 3, 7], [9.0, 1.0, 1.0, 1.0], damping=1.0)
+    assert sum(sizes) == 16 and min(sizes) >= 1 and sizes[0] == 1
+
+
+def _adaptive(slow_per_sample: float, steps: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = autoshard.shard(build("gpt"))
+    run = torch.compile(model, backend="autoshard", options={"compiler": "aot_eager", "telemetry": True})
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    recorder = autoshard.Telemetry(model, every=2, adapt_shares=True, global_batch=GLOBAL_BATCH, min_change=1)
+    splits = []
+    for step in range(steps):
+        x, y = autoshard.split_batch(batch("gpt", step), model)
+        with recorder.step(tokens=x.numel()):
+            if dist.get_rank() == 0:
+                time.sleep(slow_per_sample * x.shape[0])  # a device half as fast per sample
+            run(x, y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        splits.append(list(recorder.sizes))
+    import torch._dynamo.utils as dynamo_utils
+
+    return {"splits": splits, "graphs": dynamo_utils.counters["stats"]["unique_graphs"],
+            "params": autoshard.full_state_dict(model, rank0_only=False)}
+
+
+@pytest.mark.multirank
+def test_adaptive_shares_move_samples_off_the_slow_rank_and_training_stays_exact() -> None:
+    steps = 8
+    ranks = run_ranks(WORLD, _adaptive, 0.02, steps, timeout=300)
+    splits = ranks[0]["splits"]
+    assert splits == ranks[1]["splits"]  # decided alike
+    assert splits[0] == [GLOBAL_BATCH // 2] * 2 and splits[-1][0] < GLOBAL_BATCH // 2, splits
+    assert len({tuple(s) for s in splits}) >= 2 and ranks[0]["graphs"] <= 3  # new splits, no compile per split
+    torch.manual_seed(0)
+    reference = build("gpt")
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(steps):
+        reference(*batch("gpt", step)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert max((ranks[0]["params"][k] - v).abs().max().item() for k, v in reference.state_dict().items()) <= 1e-5

@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from autoshard.runtime import leaves, ops
 from autoshard.runtime.errors import UsageError
-from autoshard.runtime.telemetry import timed_blocking
+from autoshard.runtime.timed_waits import timed_blocking
 
 SYNC = leaves.SYNC  # on each module owning sharded parameters: whether backward reduces
 SINKS = "_autoshard_sinks"  # on the same modules: parameter name -> sink tensor

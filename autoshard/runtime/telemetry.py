@@ -41,68 +41,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from autoshard.runtime import adaptive_shares, timed_waits
+from autoshard.runtime.batch_shares import batch_sizes, set_batch_shares, shares_of
 from autoshard.runtime.errors import UsageError
+from autoshard.runtime.timed_waits import KINDS
 
-KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 # One record's fields, in the order the ranks exchange them.
 FIELDS = ("step_s", *(f"wait_{k}_s" for k in KINDS), *(f"bytes_{k}" for k in KINDS), "peak_bytes", "tokens")
-
-
-class _Recorder:
-    """What the timed waits of the running step add up (one per process; None when off)."""
-
-    def __init__(self, cuda: bool) -> None:
-        self.wait = dict.fromkeys(KINDS, 0.0)
-        self.bytes = dict.fromkeys(KINDS, 0)
-        self.events: list[tuple[str, Any, Any]] = []  # CUDA: (kind, before, after), read at the step's end
-        self.cuda = cuda
-        self.waits = 0
-
-    def add(self, kind: str, seconds: float, nbytes: int) -> None:
-        self.wait[kind] += seconds
-        self.bytes[kind] += nbytes
-        self.waits += 1
-
-
-_recorder: _Recorder | None = None
-
-
-@torch.library.custom_op("autoshard::timed_wait", mutates_args=("tensor",))
-def timed_wait(tensor: torch.Tensor, kind: str, nbytes: int) -> None:
-    """Wait for the collective writing ``tensor`` (``kind``, moving ``nbytes``) and record how
-    long the wait took in the running telemetry step, if any. Declared as writing ``tensor`` so
-    that the graph's own wait (then a no-op) and every reader come after it."""
-    recorder = _recorder
-    if recorder is None:
-        torch.ops._c10d_functional.wait_tensor(tensor)
-        return
-    if recorder.cuda and tensor.is_cuda:
-        before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        before.record()
-        torch.ops._c10d_functional.wait_tensor(tensor)
-        after.record()
-        recorder.events.append((kind, before, after))
-        recorder.add(kind, 0.0, nbytes)
-        return
-    start = time.perf_counter()
-    torch.ops._c10d_functional.wait_tensor(tensor)
-    recorder.add(kind, time.perf_counter() - start, nbytes)
-
-
-@timed_wait.register_fake
-def _(tensor, kind, nbytes):
-    return None
-
-
-@contextmanager
-def timed_blocking(kind: str, nbytes: int) -> Iterator[None]:
-    """Time a blocking collective run outside the graphs (the accumulation flush)."""
-    if _recorder is None:
-        yield
-        return
-    start = time.perf_counter()
-    yield
-    _recorder.add(kind, time.perf_counter() - start, nbytes)
 
 
 def _peak_bytes(device: torch.device) -> int:
@@ -126,11 +71,15 @@ class Telemetry:
             per step (e.g. a device profile's ``busy_power_w``).
         prediction: what ``autoshard.explain`` predicted for this job (its ``Report``, or a dict
             with ``step_s`` and ``overlap``), written beside the measurements.
+        adapt_shares: re-split the global batch of ``global_batch`` samples at every exchange
+            from each rank's measured busy time (:mod:`autoshard.runtime.adaptive_shares`;
+            ``damping``, ``min_change``); feed each rank ``autoshard.split_batch(batch, model)``.
     """
 
     def __init__(self, model: nn.Module, *, path: str | os.PathLike[str] | None = None, tensorboard: str | None = None,
                  every: int = 10, price_per_hour: float | list[float] | None = None, power_w: float | list[float] | None = None,
-                 prediction: Any = None) -> None:
+                 prediction: Any = None, adapt_shares: bool = False, global_batch: int | None = None,
+                 damping: float = 0.5, min_change: int = 1) -> None:
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise UsageError(f"autoshard.Telemetry: every must be a whole number >= 1, got {every!r}.")
         self.world = dist.get_world_size() if dist.is_initialized() else 1
@@ -143,6 +92,13 @@ class Telemetry:
         self.every, self.steps, self.pending, self.rows = every, 0, [], []
         self.waits_seen = 0  # timed waits in the last step: 0 at several ranks means no telemetry option
         self.prediction = _prediction(prediction)
+        self.model, self.adapt, self.damping, self.min_change = model, adapt_shares, damping, min_change
+        self.sizes: list[int] | None = None  # the adaptive split: samples per rank
+        if adapt_shares:
+            adaptive_shares.check(global_batch, self.world, damping, min_change)
+            current = shares_of(model)
+            self.sizes = batch_sizes(current, global_batch) if current else batch_sizes([1] * self.world, global_batch)
+            set_batch_shares(model, self.sizes)
         self.path = os.fspath(path) if path is not None else None
         self.writer = None
         if tensorboard is not None and self.rank == 0:
@@ -161,13 +117,12 @@ class Telemetry:
     @contextmanager
     def step(self, tokens: int = 0) -> Iterator[None]:
         """Measure one training step (forward, backward, optimizer) of this rank's ``tokens``."""
-        global _recorder
-        if _recorder is not None:
+        if timed_waits.recorder is not None:
             raise UsageError("autoshard.Telemetry: step() inside another step(); measure one step at a time.")
         cuda = self.device.type == "cuda"
         if cuda:
             torch.cuda.synchronize(self.device)
-        _recorder = recorder = _Recorder(cuda)
+        timed_waits.recorder = recorder = timed_waits.Recorder(cuda)
         start = time.perf_counter()
         try:
             yield
@@ -175,7 +130,7 @@ class Telemetry:
             if cuda:
                 torch.cuda.synchronize(self.device)
             elapsed = time.perf_counter() - start
-            _recorder = None
+            timed_waits.recorder = None
         for kind, before, after in recorder.events:
             recorder.wait[kind] += before.elapsed_time(after) / 1e3
         self.waits_seen = recorder.waits
@@ -199,11 +154,28 @@ class Telemetry:
             every = mine[None].cpu()
         first = self.steps - len(self.pending)
         self.pending = []
+        window = []
         for i in range(every.shape[1]):
             row = {"step": first + i, "ranks": [dict(zip(FIELDS, every[r, i].tolist())) for r in range(self.world)]}
             self.rows.append(row)
+            window.append(row)
             if self.rank == 0:
                 self._write(row)
+        if self.adapt:
+            self._adapt(window)
+
+    def _adapt(self, window: list[dict[str, Any]]) -> None:
+        """The next split, decided alike on every rank from the window every rank holds."""
+        busy = [_median([row["ranks"][r]["step_s"] - sum(row["ranks"][r][f"wait_{k}_s"] for k in KINDS) for row in window])
+                for r in range(self.world)]
+        new = adaptive_shares.next_split(self.sizes, busy, damping=self.damping, min_change=self.min_change)
+        if new is None:
+            return
+        self.sizes = new
+        set_batch_shares(self.model, new)  # a graph input: no recompile
+        if self.rank == 0 and self.path is not None:
+            with open(self.path, "a") as f:
+                f.write(json.dumps({"shares": new, "from_step": self.steps}) + "\n")
 
     def _write(self, row: dict[str, Any]) -> None:
         if self.path is not None:

@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from autoshard.runtime.errors import UsageError
-from autoshard.runtime.telemetry import KINDS, kpis
+from autoshard.runtime.telemetry import kpis
+from autoshard.runtime.timed_waits import KINDS
 from autoshard.tools.report.svg import esc
 from autoshard.tools.units import fmt_bytes, fmt_time
 
@@ -30,7 +31,7 @@ def read_run(path: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
                          "autoshard.Telemetry(path=...) wrote.") from None
     if not lines or "run" not in lines[0]:
         raise UsageError(f"autoshard report: {path} has no run header; pass the file autoshard.Telemetry(path=...) wrote.")
-    return lines[0]["run"], lines[1:]
+    return lines[0]["run"], [line for line in lines[1:] if "step" in line]  # (adaptive splits are lines of their own)
 
 
 def _lanes(rows: list[dict[str, Any]]) -> str:

@@ -1,0 +1,57 @@
+"""Batch shares that follow the measured speed of each rank (``autoshard.Telemetry(...,
+adapt_shares=True, global_batch=B)``).
+
+Real clusters drift: a GPU throttles, a neighbour saturates a link, a node is swapped for an
+older one. A split planned once from a profile is then wrong. Each time the ranks exchange their
+telemetry (every ``every`` steps), every rank computes the next split from the same records:
+each rank's speed is the samples it took over its busy time (its step less its waits in
+collectives, median over the window), the target gives every rank samples in proportion to its
+speed, and the split moves only part of the way there (``damping``) and only when some rank's
+count would change by ``min_change`` samples at least, so that noise neither makes it oscillate
+nor changes it every window. Counts are whole samples of the global batch, so every split
+trains exactly like one process on the whole batch (:mod:`autoshard.runtime.batch_shares`);
+new shapes after the first change compile once more with a dynamic batch dimension (Dynamo's
+automatic dynamic shapes), not once per split.
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+from autoshard.runtime.errors import UsageError
+
+
+def next_split(sizes: Sequence[int], busy_s: Sequence[float], *, damping: float = 0.5, min_change: int = 1) -> list[int] | None:
+    """The next samples per rank from the current ``sizes`` and each rank's measured busy
+    seconds, or None to keep the current split. Deterministic: every rank that passes the same
+    figures gets the same answer."""
+    total = sum(sizes)
+    speed = [s / b if b > 0 else math.inf for s, b in zip(sizes, busy_s)]
+    if any(math.isinf(v) for v in speed):
+        return None  # a rank measured no busy time: nothing to go on
+    wanted = [s + damping * (total * v / sum(speed) - s) for s, v in zip(sizes, speed)]
+    new = [max(1, math.floor(w)) for w in wanted]
+    # Largest remainders first, so the counts sum to the global batch again.
+    order = sorted(range(len(wanted)), key=lambda r: (-(wanted[r] - math.floor(wanted[r])), r))
+    i = 0
+    while sum(new) != total:
+        r = order[i % len(order)]
+        if sum(new) < total:
+            new[r] += 1
+        elif new[r] > 1:
+            new[r] -= 1
+        i += 1
+    if max(abs(n - s) for n, s in zip(new, sizes)) < min_change:
+        return None
+    return new
+
+
+def check(global_batch: int | None, world: int, damping: float, min_change: int) -> None:
+    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < world:
+        raise UsageError(f"autoshard.Telemetry: adapt_shares needs global_batch, the samples of one step over all ranks "
+                         f"(at least one per rank, {world}), got {global_batch!r}.")
+    if not 0 < damping <= 1:
+        raise UsageError(f"autoshard.Telemetry: damping must be in (0, 1] (the part of the way to the measured split "
+                         f"taken at once), got {damping!r}.")
+    if isinstance(min_change, bool) or not isinstance(min_change, int) or min_change < 1:
+        raise UsageError(f"autoshard.Telemetry: min_change must be a whole number of samples >= 1, got {min_change!r}.")
