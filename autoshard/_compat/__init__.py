@@ -65,6 +65,7 @@ __all__ = [
     "all_gather_single",
     "c10d",
     "keep_shape_static",
+    "mark_batch_dynamic",
     "dynamo_counters",
     "FakeTensor",
     "fake_from_meta",
@@ -122,6 +123,12 @@ c10d = torch.ops._c10d_functional
 
 # An op's overload (``torch.ops.aten.mm.default``): what FX nodes call and custom ops define.
 OpOverload = torch._ops.OpOverload
+
+
+def mark_batch_dynamic(t: torch.Tensor) -> None:
+    """Compile ``t``'s dim 0 as a symbol from the first call on (adaptive batch shares: every
+    rank compiles once and alike, not each when its own size first changes)."""
+    torch._dynamo.mark_dynamic(t, 0)
 
 
 def schema_of(target: Any) -> torch.FunctionSchema | None:

@@ -9,9 +9,11 @@ collectives, median over the window), the target gives every rank samples in pro
 speed, and the split moves only part of the way there (``damping``) and only when some rank's
 count would change by ``min_change`` samples at least, so that noise neither makes it oscillate
 nor changes it every window. Counts are whole samples of the global batch, so every split
-trains exactly like one process on the whole batch (:mod:`autoshard.runtime.batch_shares`);
-new shapes after the first change compile once more with a dynamic batch dimension (Dynamo's
-automatic dynamic shapes), not once per split.
+trains exactly like one process on the whole batch (:mod:`autoshard.runtime.batch_shares`).
+``split_batch`` marks the local batch dimension dynamic from the first step on, so every rank
+compiles one graph for every split, alike: were it left to Dynamo's automatic dynamic shapes,
+a rank whose size changed would recompile while one whose size stayed would not, and the ranks
+would wait on each other's plans. Create the Telemetry before the first compiled step.
 """
 from __future__ import annotations
 
@@ -20,17 +22,20 @@ from typing import Sequence
 
 from autoshard.runtime.errors import UsageError
 
+# Each rank keeps two samples at least: a batch dimension of 1 would be compiled as a constant.
+LEAST = 2
+
 
 def next_split(sizes: Sequence[int], busy_s: Sequence[float], *, damping: float = 0.5, min_change: int = 1) -> list[int] | None:
     """The next samples per rank from the current ``sizes`` and each rank's measured busy
     seconds, or None to keep the current split. Deterministic: every rank that passes the same
-    figures gets the same answer."""
+    figures gets the same answer. Every rank keeps :data:`LEAST` samples at least."""
     total = sum(sizes)
     speed = [s / b if b > 0 else math.inf for s, b in zip(sizes, busy_s)]
     if any(math.isinf(v) for v in speed):
         return None  # a rank measured no busy time: nothing to go on
     wanted = [s + damping * (total * v / sum(speed) - s) for s, v in zip(sizes, speed)]
-    new = [max(1, math.floor(w)) for w in wanted]
+    new = [max(LEAST, math.floor(w)) for w in wanted]
     # Largest remainders first, so the counts sum to the global batch again.
     order = sorted(range(len(wanted)), key=lambda r: (-(wanted[r] - math.floor(wanted[r])), r))
     i = 0
@@ -38,7 +43,7 @@ def next_split(sizes: Sequence[int], busy_s: Sequence[float], *, damping: float 
         r = order[i % len(order)]
         if sum(new) < total:
             new[r] += 1
-        elif new[r] > 1:
+        elif new[r] > LEAST:
             new[r] -= 1
         i += 1
     if max(abs(n - s) for n, s in zip(new, sizes)) < min_change:
@@ -47,9 +52,9 @@ def next_split(sizes: Sequence[int], busy_s: Sequence[float], *, damping: float 
 
 
 def check(global_batch: int | None, world: int, damping: float, min_change: int) -> None:
-    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < world:
+    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < LEAST * world:
         raise UsageError(f"autoshard.Telemetry: adapt_shares needs global_batch, the samples of one step over all ranks "
-                         f"(at least one per rank, {world}), got {global_batch!r}.")
+                         f"(at least {LEAST} per rank, {LEAST * world}), got {global_batch!r}.")
     if not 0 < damping <= 1:
         raise UsageError(f"autoshard.Telemetry: damping must be in (0, 1] (the part of the way to the measured split "
                          f"taken at once), got {damping!r}.")

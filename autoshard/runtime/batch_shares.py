@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autoshard._compat import tree_map_only
+from autoshard._compat import mark_batch_dynamic, tree_map_only
 from autoshard.runtime import leaves
 from autoshard.runtime.errors import UsageError
 from autoshard.runtime.fail_together import check_same_on_all_ranks
@@ -40,6 +40,7 @@ _uneven = False  # set once any model trains with unequal shares: the same on ev
 WEIGHT = "_autoshard_batch_weight"  # buffer on the root: N * this rank's share
 SHARES = "_autoshard_batch_shares"  # on the root: the shares as given, normalised to fractions
 _HOOK = "_autoshard_batch_hook"
+ADAPTIVE = "_autoshard_adaptive_shares"  # on the root: autoshard.Telemetry re-splits (split_batch marks dim 0 dynamic)
 
 
 def _world_and_rank() -> tuple[int, int]:
@@ -119,6 +120,7 @@ def split_batch(batch: Any, shares: Any, rank: int | None = None) -> Any:
     rank passes the same global batch and shares, so every rank raises the same error when
     they do not fit.
     """
+    adaptive = isinstance(shares, nn.Module) and getattr(shares, ADAPTIVE, False)
     if isinstance(shares, nn.Module):
         registered = getattr(shares, SHARES, None)
         if registered is None:
@@ -149,7 +151,10 @@ def split_batch(batch: Any, shares: Any, rank: int | None = None) -> Any:
                 "to autoshard.shard / set_batch_shares and here, or use a global batch they divide.")
     start = sum(int(e) for e in exact[:me])
     rows = slice(start, start + int(exact[me]))
-    return tree_map_only(torch.Tensor, lambda t: t[rows], batch)
+    mine = tree_map_only(torch.Tensor, lambda t: t[rows], batch)
+    if adaptive:  # the split changes as the run goes: one dynamic batch dimension on every rank from the start
+        tree_map_only(torch.Tensor, mark_batch_dynamic, mine)
+    return mine
 
 
 def _weighted(weight: torch.Tensor):

@@ -41,8 +41,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from autoshard._compat import all_gather_single
 from autoshard.runtime import adaptive_shares, timed_waits
-from autoshard.runtime.batch_shares import batch_sizes, set_batch_shares, shares_of
+from autoshard.runtime.batch_shares import ADAPTIVE, batch_sizes, set_batch_shares, shares_of
 from autoshard.runtime.errors import UsageError
 from autoshard.runtime.timed_waits import KINDS
 
@@ -99,6 +100,7 @@ class Telemetry:
             current = shares_of(model)
             self.sizes = batch_sizes(current, global_batch) if current else batch_sizes([1] * self.world, global_batch)
             set_batch_shares(model, self.sizes)
+            setattr(model, ADAPTIVE, True)
         self.path = os.fspath(path) if path is not None else None
         self.writer = None
         if tensorboard is not None and self.rank == 0:
@@ -148,7 +150,7 @@ class Telemetry:
         mine = torch.tensor(self.pending, dtype=torch.float64, device=self.device if self.device.type == "cuda" else "cpu")
         if self.world > 1:
             every = torch.empty((self.world * mine.shape[0], mine.shape[1]), dtype=mine.dtype, device=mine.device)
-            dist.all_gather_into_tensor(every, mine)
+            all_gather_single(every, mine)
             every = every.view(self.world, *mine.shape).cpu()  # [ranks, steps, fields]
         else:
             every = mine[None].cpu()
