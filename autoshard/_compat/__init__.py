@@ -126,8 +126,7 @@ OpOverload = torch._ops.OpOverload
 
 
 def mark_batch_dynamic(t: torch.Tensor) -> None:
-    """Compile ``t``'s dim 0 as a symbol from the first call on (adaptive batch shares: every
-    rank compiles once and alike, not each when its own size first changes)."""
+    """Dim 0 a symbol from the first compile (adaptive batch shares: every rank compiles once, alike)."""
     torch._dynamo.mark_dynamic(t, 0)
 
 

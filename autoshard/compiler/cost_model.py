@@ -203,11 +203,16 @@ _ATTENTION = {getattr(aten, name).default for name in (
     if hasattr(aten, name)}
 
 
+def is_attention(node: fx.Node) -> bool:
+    """A fused attention kernel (SDPA's flash, efficient, cuDNN or CPU forms, and backwards)."""
+    return node.op == "call_function" and node.target in _ATTENTION
+
+
 def _attention_time(node: fx.Node, profile: DeviceProfile) -> float | None:
     """Seconds of a fused attention kernel's FLOPs where the profile prices attention apart
     (``attention_efficiency``); None otherwise. A causal kernel skips the masked half of the
     score square that the flop counter counts whole."""
-    if profile.attention_efficiency is None or node.target not in _ATTENTION:
+    if profile.attention_efficiency is None or not is_attention(node):
         return None
     causal = arguments(node.target, node.args, node.kwargs).get("is_causal", False)
     peak = profile.peak_flops_per_s(_compute_dtype(node))

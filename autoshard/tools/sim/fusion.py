@@ -18,7 +18,7 @@ from typing import Callable, NamedTuple
 
 from torch import fx
 
-from autoshard.compiler.cost_model import _ATTENTION, DeviceProfile, get_profile, node_flops, node_time
+from autoshard.compiler.cost_model import DeviceProfile, get_profile, is_attention, node_flops, node_time
 from autoshard.passes.graph_utils import collective_kind, is_view, is_wait, tensor_bytes
 
 
@@ -45,7 +45,7 @@ def module_path(node: fx.Node) -> str:
 def _fusible(node: fx.Node, within: Callable[[fx.Node], bool]) -> bool:
     if node.op != "call_function" or not hasattr(node.target, "overloadpacket"):
         return False
-    if collective_kind(node) or is_wait(node) or node.target in _ATTENTION or node_flops(node):
+    if collective_kind(node) or is_wait(node) or is_attention(node) or node_flops(node):
         return False  # matmuls, attention and collectives stay their own kernels
     if any(key.startswith("autoshard") for key in node.meta):
         return False  # the sharding's own copies (gather copy-out, reduce copy-in): outside the compiled region
