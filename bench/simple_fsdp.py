@@ -174,15 +174,19 @@ def cpu_estimates(profile: str = "cpu") -> Iterator[None]:
     figures = get_profile(profile)
     gbps = figures.mem_bandwidth / 1e9
 
-    def tflops(dtype=torch.float32):
+    def tflops(dtype=torch.float32, device=None):  # (device: from torch 2.15)
         name = str(dtype).removeprefix("torch.")
         return figures.peak_flops.get(name, figures.peak_flops["float32"]) / 1e12
     from torch._inductor.fx_passes import overlap_scheduling as scheduling
+    from torch.utils import _runtime_estimation as estimation
+
+    # The DRAM bandwidth reader: get_gpu_dram_gbps() up to torch 2.14, get_device_dram_gbps(device) from 2.15.
+    dram = "get_gpu_dram_gbps" if hasattr(estimation, "get_gpu_dram_gbps") else "get_device_dram_gbps"
 
     def roofline(node, custom_runtime_estimation=None):
         return scheduling.estimate_roofline_runtime_ms(node), None
 
-    with (mock.patch("torch.utils._runtime_estimation.get_gpu_dram_gbps", lambda: gbps),
+    with (mock.patch.object(estimation, dram, lambda *device: gbps),
           mock.patch("torch.utils._runtime_estimation.get_device_tflops", tflops),
           mock.patch.object(scheduling, "benchmark_node_with_cache_key", roofline),
           torch._inductor.config.patch({"aten_distributed_optimizations.compute_estimator": "analytical"})):
