@@ -56,6 +56,11 @@ def _dtype(name: str) -> Any:
     return TORCH_DTYPE_MAP[name]
 
 
+def _inner(compile_config: Any) -> str:
+    """autoshard's inner compiler: ``--compile.backend`` where compiling is on, else Inductor."""
+    return compile_config.backend if compile_config.enable else "inductor"
+
+
 def _refuse(parallel_dims: Any, parallelism: Any, compile_config: Any) -> None:
     others = {"tensor": parallel_dims.tp, "context": parallel_dims.cp, "pipeline": parallel_dims.pp,
               "expert": parallel_dims.ep}
@@ -67,7 +72,7 @@ def _refuse(parallel_dims: Any, parallelism: Any, compile_config: Any) -> None:
     if reshard not in _RESHARD:
         raise UsageError(f"autoshard.integrations.torchtitan: parallelism.fsdp_reshard_after_forward={reshard!r}; "
                          f"use one of {tuple(_RESHARD)}.")
-    inner = compile_config.backend if compile_config.enable else "inductor"
+    inner = _inner(compile_config)
     if inner not in _INNER:
         raise UsageError(f"autoshard.integrations.torchtitan: compile.backend={inner!r} cannot be autoshard's inner compiler; "
                          f"use one of {_INNER} (the model is compiled once, with backend='autoshard').")
@@ -110,8 +115,7 @@ def parallelize(model: nn.Module, *, parallel_dims: Any, training: Any, parallel
     model.set_gradient_divide_factor(1.0)  # the loss is a sum over tokens / the global token count
     if callable(getattr(model, "init_weights", None)):
         _init_on_shards(model)
-    inner = compile_config.backend if compile_config.enable else "inductor"
-    model.compile(backend="autoshard", options={"compiler": inner})
+    model.compile(backend="autoshard", options={"compiler": _inner(compile_config)})
     return model
 
 

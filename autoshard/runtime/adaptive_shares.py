@@ -17,9 +17,9 @@ would wait on each other's plans. Create the Telemetry before the first compiled
 """
 from __future__ import annotations
 
-import math
 from typing import Sequence
 
+from autoshard.runtime.batch_shares import round_to_total
 from autoshard.runtime.errors import UsageError
 
 # Each rank keeps two samples at least: a batch dimension of 1 would be compiled as a constant.
@@ -30,22 +30,16 @@ def next_split(sizes: Sequence[int], busy_s: Sequence[float], *, damping: float 
     """The next samples per rank from the current ``sizes`` and each rank's measured busy
     seconds, or None to keep the current split. Deterministic: every rank that passes the same
     figures gets the same answer. Every rank keeps :data:`LEAST` samples at least."""
-    total = sum(sizes)
-    speed = [s / b if b > 0 else math.inf for s, b in zip(sizes, busy_s)]
-    if any(math.isinf(v) for v in speed):
+    if min(busy_s) <= 0:
         return None  # a rank measured no busy time: nothing to go on
+    total = sum(sizes)
+    speed = [s / b for s, b in zip(sizes, busy_s)]
     wanted = [s + damping * (total * v / sum(speed) - s) for s, v in zip(sizes, speed)]
-    new = [max(LEAST, math.floor(w)) for w in wanted]
-    # Largest remainders first, so the counts sum to the global batch again.
-    order = sorted(range(len(wanted)), key=lambda r: (-(wanted[r] - math.floor(wanted[r])), r))
-    i = 0
-    while sum(new) != total:
-        r = order[i % len(order)]
-        if sum(new) < total:
-            new[r] += 1
-        elif new[r] > LEAST:
-            new[r] -= 1
-        i += 1
+    # LEAST samples each, then what is left in proportion to what each wants beyond them.
+    spare = total - LEAST * len(sizes)
+    beyond = [max(w - LEAST, 0.0) for w in wanted]
+    scale = spare / sum(beyond) if sum(beyond) else 0.0
+    new = [LEAST + n for n in round_to_total([b * scale for b in beyond], spare)]
     if max(abs(n - s) for n, s in zip(new, sizes)) < min_change:
         return None
     return new

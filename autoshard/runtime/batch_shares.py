@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from fractions import Fraction
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -84,15 +84,21 @@ def batch_sizes(shares: Any, global_batch: int) -> list[int]:
     remainders, so they sum to ``global_batch``). Use the result as the shares when the plan's
     fractions do not split your batch exactly: ``batch_shares=autoshard.batch_sizes(plan, B)``."""
     fractions = normalize(shares, what="autoshard.batch_sizes")
-    exact = [f * global_batch for f in fractions]
-    sizes = [math.floor(e) for e in exact]
-    order = sorted(range(len(exact)), key=lambda r: (-(exact[r] - sizes[r]), r))
-    for r in order[: global_batch - sum(sizes)]:
-        sizes[r] += 1
+    sizes = round_to_total([f * global_batch for f in fractions], global_batch)
     if min(sizes) < 1:
         rank = sizes.index(min(sizes))
         raise UsageError(f"autoshard.batch_sizes: a global batch of {global_batch} leaves rank {rank} no sample under shares "
                          f"{[float(f) for f in fractions]}; use a larger global batch.")
+    return sizes
+
+
+def round_to_total(exact: Sequence[Any], total: int) -> list[int]:
+    """Whole numbers summing to ``total`` (what ``exact`` sums to): each ``exact`` rounded down,
+    then up where the remainders are largest (ties to the lower rank)."""
+    sizes = [math.floor(e) for e in exact]
+    order = sorted(range(len(exact)), key=lambda r: (-(exact[r] - sizes[r]), r))
+    for r in order[: total - sum(sizes)]:
+        sizes[r] += 1
     return sizes
 
 

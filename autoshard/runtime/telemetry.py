@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import statistics
 import sys
 import time
 from contextlib import contextmanager
@@ -91,10 +92,10 @@ class Telemetry:
         self.parameters = sum(p.numel() for p in params)  # DTensors count their global size
         self.device = params[0].device if params else torch.device("cpu")
         self.every, self.steps, self.pending, self.rows = every, 0, [], []
-        self.waits_seen = 0  # timed waits in the last step: 0 at several ranks means no telemetry option
+        self.waits_seen = 0  # timed waits in the last step (0: the graphs were compiled without the option)
         self.prediction = _prediction(prediction)
-        self.model, self.adapt, self.damping, self.min_change = model, adapt_shares, damping, min_change
-        self.sizes: list[int] | None = None  # the adaptive split: samples per rank
+        self.model, self.damping, self.min_change = model, damping, min_change
+        self.sizes: list[int] | None = None  # the adaptive split, samples per rank (None: shares not adapted)
         if adapt_shares:
             adaptive_shares.check(global_batch, self.world, damping, min_change)
             current = shares_of(model)
@@ -163,13 +164,12 @@ class Telemetry:
             window.append(row)
             if self.rank == 0:
                 self._write(row)
-        if self.adapt:
+        if self.sizes is not None:
             self._adapt(window)
 
     def _adapt(self, window: list[dict[str, Any]]) -> None:
         """The next split, decided alike on every rank from the window every rank holds."""
-        busy = [_median([row["ranks"][r]["step_s"] - sum(row["ranks"][r][f"wait_{k}_s"] for k in KINDS) for row in window])
-                for r in range(self.world)]
+        busy = [statistics.median(busy_s(row["ranks"][r]) for row in window) for r in range(self.world)]
         new = adaptive_shares.next_split(self.sizes, busy, damping=self.damping, min_change=self.min_change)
         if new is None:
             return
@@ -224,10 +224,13 @@ def _prediction(given: Any) -> dict[str, Any] | None:
             "overlap": m["overlap_ratio"], "peak_bytes": m["peak_bytes"], "comm_bytes": m["comm_bytes"]}
 
 
-def _median(values: list[float]) -> float:
-    values = sorted(values)
-    n = len(values)
-    return (values[n // 2] + values[(n - 1) // 2]) / 2 if n else 0.0
+def _waits(fields: dict[str, float]) -> float:
+    return sum(fields[f"wait_{k}_s"] for k in KINDS)
+
+
+def busy_s(fields: dict[str, float]) -> float:
+    """A rank's step less its waits in collectives: the time it computed."""
+    return fields["step_s"] - _waits(fields)
 
 
 def kpis(rows: list[dict[str, Any]], parameters: int, price: list[float] | None = None, power: list[float] | None = None,
@@ -245,10 +248,10 @@ def kpis(rows: list[dict[str, Any]], parameters: int, price: list[float] | None 
     if not rows:
         return {}
     world = len(rows[0]["ranks"])
-    per_rank = [{name: _median([row["ranks"][r][name] for row in rows]) for name in FIELDS} for r in range(world)]
+    per_rank = [{name: statistics.median(row["ranks"][r][name] for row in rows) for name in FIELDS} for r in range(world)]
     step = max(r["step_s"] for r in per_rank)
-    waits = [sum(r[f"wait_{k}_s"] for k in KINDS) for r in per_rank]
-    busy = [max(r["step_s"] - w, 0.0) / r["step_s"] if r["step_s"] else 0.0 for r, w in zip(per_rank, waits)]
+    waits = [_waits(r) for r in per_rank]
+    busy = [max(busy_s(r), 0.0) / r["step_s"] if r["step_s"] else 0.0 for r in per_rank]
     mean_busy = sum(busy) / world
     tokens = sum(r["tokens"] for r in per_rank)
     out: dict[str, Any] = {
@@ -258,7 +261,7 @@ def kpis(rows: list[dict[str, Any]], parameters: int, price: list[float] | None 
         "busy_fraction": busy, "busy_variance": sum((b - mean_busy) ** 2 for b in busy) / world,
         "slowest_rank": max(range(world), key=lambda r: per_rank[r]["step_s"] - waits[r]),
         "most_waiting_rank": max(range(world), key=lambda r: waits[r]),
-        "wait_s": [w for w in waits], "bytes_per_step": {k: per_rank[0][f"bytes_{k}"] for k in KINDS},
+        "wait_s": waits, "bytes_per_step": {k: per_rank[0][f"bytes_{k}"] for k in KINDS},
         # State shares stay as planned; this says when the ranks' memory is not balanced.
         "peak_bytes": [r["peak_bytes"] for r in per_rank],
         "memory_imbalance": max(r["peak_bytes"] for r in per_rank) / max(min(r["peak_bytes"] for r in per_rank), 1),

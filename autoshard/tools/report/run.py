@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from autoshard.runtime.errors import UsageError
-from autoshard.runtime.telemetry import kpis
+from autoshard.runtime.telemetry import busy_s, kpis
 from autoshard.runtime.timed_waits import KINDS
 from autoshard.tools.report.svg import esc
 from autoshard.tools.units import fmt_bytes, fmt_time
@@ -45,8 +45,7 @@ def _lanes(rows: list[dict[str, Any]]) -> str:
         parts.append(f'<text x="2" y="{y + 14}" font-size="12">rank {r}</text>')
         for row in rows:
             fields = row["ranks"][r]
-            waits = {k: fields[f"wait_{k}_s"] for k in KINDS}
-            pieces = [("busy", max(fields["step_s"] - sum(waits.values()), 0.0)), *waits.items()]
+            pieces = [("busy", max(busy_s(fields), 0.0)), *((k, fields[f"wait_{k}_s"]) for k in KINDS)]
             for name, seconds in pieces:
                 w = seconds * scale
                 if w > 0:
@@ -88,11 +87,16 @@ def _kpi_rows(summary: dict[str, Any]) -> list[tuple[str, str, str]]:
     return rows
 
 
-def render_run(header: dict[str, Any], rows: list[dict[str, Any]]) -> str:
-    """The page: the KPIs (measured beside predicted) and the ranks' lanes."""
+def run_summary(header: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run's KPIs, from its header's figures and its steps."""
     if not rows:
         raise UsageError("autoshard report: the run file holds no steps yet; call Telemetry.flush() or close() in the run.")
-    summary = kpis(rows, header["parameters"], header.get("price_per_hour"), header.get("power_w"), header.get("prediction"))
+    return kpis(rows, header["parameters"], header.get("price_per_hour"), header.get("power_w"), header.get("prediction"))
+
+
+def render_run(header: dict[str, Any], rows: list[dict[str, Any]], summary: dict[str, Any] | None = None) -> str:
+    """The page: the KPIs (measured beside predicted) and the ranks' lanes."""
+    summary = summary or run_summary(header, rows)
     table = "".join(f"<tr><td>{esc(a)}</td><td>{esc(b)}</td><td>{esc(c)}</td></tr>" for a, b, c in _kpi_rows(summary))
     legend = " ".join(f'<span style="color:{c}">&#9632;</span> {esc(name)}' for name, c in COLORS.items())
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>autoshard run</title></head><body>"
@@ -109,8 +113,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     header, rows = read_run(args.run)
     out = Path(args.html or Path(args.run).with_suffix(".html"))
-    out.write_text(render_run(header, rows))
-    summary = kpis(rows, header["parameters"], header.get("price_per_hour"), header.get("power_w"), header.get("prediction"))
+    summary = run_summary(header, rows)
+    out.write_text(render_run(header, rows, summary))
     print(f"{len(rows)} steps on {header['world_size']} ranks: step {fmt_time(summary['step_s'])}, "
           f"{summary['tokens_per_s']:,.0f} tokens/s, slowest rank {summary['slowest_rank']}; wrote {out}")
     return 0
