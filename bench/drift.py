@@ -17,6 +17,7 @@ median step per half, and the ratios. Targets (issue 50): adaptive <= 0.8x equal
 from __future__ import annotations
 
 import argparse
+import contextlib
 import multiprocessing as mp
 import os
 import statistics
@@ -59,7 +60,7 @@ def _drift(compiler: str, steps: int, every: int, damping: float) -> dict:
         x, y = autoshard.split_batch(_batch(i), model)
         dist.barrier()
         start = time.perf_counter()
-        with recorder.step(tokens=x.shape[0]) if recorder is not None else _nothing():
+        with recorder.step(tokens=x.shape[0]) if recorder is not None else contextlib.nullcontext():
             loss_fn(run(x), y).backward()
             opt.step()
             opt.zero_grad()
@@ -78,7 +79,8 @@ def _drift(compiler: str, steps: int, every: int, damping: float) -> dict:
     found: dict[str, list[list[float]]] = {}
     splits: dict[str, list[list[int]]] = {}
     for policy in ("equal", "planned", "adaptive"):
-        autoshard.set_batch_shares(model, planned if policy == "planned" else [GLOBAL_BATCH // world] * world)
+        fixed = planned if policy == "planned" else [GLOBAL_BATCH // world] * world  # (adaptive: where it starts)
+        autoshard.set_batch_shares(model, fixed)
         recorder = autoshard.Telemetry(model, every=every, adapt_shares=True, global_batch=GLOBAL_BATCH, damping=damping) \
             if policy == "adaptive" else None
         found[policy], splits[policy] = [[], []], []
@@ -91,8 +93,7 @@ def _drift(compiler: str, steps: int, every: int, damping: float) -> dict:
             dist.barrier()
             for i in range(steps):
                 found[policy][half].append(step(1 + half * steps + i, recorder))
-                splits[policy].append(list(recorder.sizes) if recorder is not None else list(planned if policy == "planned"
-                                                                                             else [GLOBAL_BATCH // world] * world))
+                splits[policy].append(list(recorder.sizes if recorder is not None else fixed))
         if recorder is not None:
             recorder.close()
         # The next policy starts where the drift starts: the busy process back on rank 0's core.
@@ -106,14 +107,6 @@ def _drift(compiler: str, steps: int, every: int, damping: float) -> dict:
         hog.join()
     return {"planned": planned, "median": {p: [statistics.median(h) for h in halves] for p, halves in found.items()},
             "splits": splits}
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 def main() -> None:
