@@ -8,6 +8,7 @@ import sys
 from autoshard.compiler import backend  # noqa: F401 - registers backend='autoshard' (also an entry point)
 from autoshard.compiler.dump import register_report_writer
 from autoshard.compiler.logs import register_timeline
+from autoshard.cost.cluster import Cluster, NodeGroup
 from autoshard.runtime import checkpoint, errors, ops
 from autoshard.runtime.batch_shares import batch_sizes, set_batch_shares, split_batch
 from autoshard.runtime.checkpoint import full_state_dict, load, save
@@ -30,7 +31,6 @@ from autoshard.tools import launch
 from autoshard.tools.explain import explain, explain_graphs
 from autoshard.tools.plan.plan import Plan, plan
 from autoshard.tools.report.report import Report, timeline, write_report
-from autoshard.tools.sim.cluster import Cluster, NodeGroup
 
 # The public API: what README and docs/ document (tests/test_public_api.py). The backend, the
 # launcher and the annotation ops stay reachable (autoshard.launch.run_ranks, autoshard.ops) for

@@ -1,5 +1,5 @@
 """What gloo's collectives allocate, as the ``cpu`` profile's memory figures assume
-(``GLOO_WORKSPACE``, ``GLOO_INPUT_COPIED`` in autoshard/compiler/profiles.py; docs/design.md).
+(``GLOO_WORKSPACE``, ``GLOO_INPUT_COPIED`` in autoshard/cost/profiles.py; docs/design.md).
 
 Two gloo ranks, a 16 MiB float32 full buffer (the gathered output of an all-gather, the input
 of a reduce-scatter), torch.profiler's memory events:

@@ -2,7 +2,7 @@
 
 Compiles GPT shapes from 125M to 8B parameters for world sizes from 8 to 1024 in one process
 (fake process group, fake tensors: no memory for weights or activations), then plays each schedule's final
-forward/backward graphs on the cost model's device profile (autoshard.tools.sim.simulator):
+forward/backward graphs on the cost model's device profile (autoshard.cost.simulator):
 
     python bench/overlap.py --quick                  # 125M at 64 ranks (~1.5 min here)
     python bench/overlap.py --json overlap.json      # every shape and world size (~30 min)
@@ -13,7 +13,7 @@ buckets: prefetch the next block, one reduce-scatter in flight), "inductor" (PyT
 bucketing and overlap scheduler), "autoshard", and "autoshard_keep" (autoshard with
 ``reshard_after_forward=False``: gathered parameters kept from forward to backward, as SimpleFSDP
 keeps them). Gaps are to the simulator's lower bounds
-(autoshard.tools.sim.simulator.StepAnalysis). ``--precisions fp32 bf16`` adds each schedule gathered and
+(autoshard.cost.simulator.StepAnalysis). ``--precisions fp32 bf16`` adds each schedule gathered and
 computed in bfloat16 with gradients reduced in float32 (``MixedPrecision(bfloat16, float32)``);
 shards and optimizer state stay float32. ``--planned`` adds a row per precision for the layout
 ``autoshard.plan`` chooses (no budget), with the autoshard schedule.
@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import autoshard  # noqa: E402
 from autoshard._compat import fake_process_group, fake_tensor_mode  # noqa: E402
 from autoshard.compiler.dump import recording  # noqa: E402
-from autoshard.tools.sim.simulator import analyze, kwh_per_million_tokens  # noqa: E402
+from autoshard.cost.simulator import analyze, kwh_per_million_tokens  # noqa: E402
 
 import simple_fsdp  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402

@@ -29,9 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from overlap import SHAPES  # noqa: E402
 
 import autoshard  # noqa: E402
+from autoshard.cost.simulator import kwh_per_million_tokens  # noqa: E402
 from autoshard.tools.plan.layouts import Candidate  # noqa: E402
 from autoshard.tools.plan.plan import OVER_BUDGET  # noqa: E402
-from autoshard.tools.sim.simulator import kwh_per_million_tokens  # noqa: E402
 
 from gpt import GPT, GPTConfig  # noqa: E402
 

@@ -17,7 +17,7 @@ predicted step and memory for the same job (its default schedule, and optionally
     python bench/published.py --a100                   # the second system: torchtitan's FSDP2 on 64 A100
 
 The simulator plays the unfused graph (eager PyTorch's kernels); a compiled run's step is that
-less what fusing each block's memory-bound ops saves (autoshard/tools/sim/fusion.py).
+less what fusing each block's memory-bound ops saves (autoshard/cost/fusion.py).
 
 Memory is the simulator's peak of live tensors plus AdamW's two float32 states per shard
 (torchtitan reports the allocator's peak reserved memory). Tokens/s/GPU is the local batch's
@@ -40,8 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from llama3 import LLAMA3_8B, Llama3, LlamaConfig  # noqa: E402
 
 import autoshard  # noqa: E402
-from autoshard.compiler.cost_model import get_profile  # noqa: E402
-from autoshard.tools.sim.fusion import fusion_savings, module_path  # noqa: E402
+from autoshard.cost.cost_model import get_profile  # noqa: E402
+from autoshard.cost.fusion import fusion_savings, module_path  # noqa: E402
 
 BF16 = autoshard.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 ADAMW_STATES = 2  # float32 tensors per parameter shard (exp_avg, exp_avg_sq)
@@ -100,7 +100,7 @@ def simulate(cfg: LlamaConfig, run: Published, profile: Any, schedule: str) -> d
     """Predicted step (s), tokens/s/GPU and memory (GiB, AdamW state included) of ``run``
     with ``schedule``, and the step's compute and exposed communication. A compiled run's
     step is the simulated (unfused, eager) step less what fusing each block's memory-bound
-    ops saves (:func:`autoshard.tools.sim.fusion.fusion_savings`); compute runs on one
+    ops saves (:func:`autoshard.cost.fusion.fusion_savings`); compute runs on one
     stream, so the saving comes off the step whole (the exposed communication held as
     simulated)."""
     metrics, saved = _played(cfg, run, profile, schedule)

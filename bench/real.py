@@ -7,7 +7,7 @@ comes and goes slows every system alike, and no system pays for the others' obje
 rank it measures the median step time (forward + backward + AdamW step) and the peak memory
 of one steady-state step. ``fsdp2_compile`` takes its turns apart, after the others (see
 :data:`APART`). For the autoshard rows it also plays the compiled forward/backward graphs on
-the cost model (``autoshard.tools.sim.simulator``) and compares the prediction with the measured
+the cost model (``autoshard.cost.simulator``) and compares the prediction with the measured
 forward + backward time, twice: with the profile as given (``pred_error``), and with its
 compute figures measured again in the same ranks before the runs (``pred_error_in_run``),
 which separates the simulator's error from the profile's drift (other load, ranks sharing
@@ -57,12 +57,12 @@ from real_memory import MEMORY_METHOD, profiled_peak, state_bytes  # noqa: E402
 
 import autoshard  # noqa: E402
 from autoshard._compat import dynamo_counters as counters  # noqa: E402
-from autoshard.compiler.cost_model import DeviceProfile, get_profile  # noqa: E402
 from autoshard.compiler.dump import recording  # noqa: E402
+from autoshard.cost.cost_model import DeviceProfile, get_profile  # noqa: E402
+from autoshard.cost.simulator import analyze  # noqa: E402
 from autoshard.runtime.errors import over_budget_in  # noqa: E402
 from autoshard.tools.calibrate import measure as calibrate  # noqa: E402
 from autoshard.tools.launch import run_ranks  # noqa: E402
-from autoshard.tools.sim.simulator import analyze  # noqa: E402
 
 import simple_fsdp  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402

@@ -169,7 +169,7 @@ def cpu_estimates(profile: str = "cpu") -> Iterator[None]:
     passes order and bucket by change: the graphs run as they are."""
     from unittest import mock
 
-    from autoshard.compiler.cost_model import get_profile
+    from autoshard.cost.cost_model import get_profile
 
     figures = get_profile(profile)
     gbps = figures.mem_bandwidth / 1e9
@@ -257,7 +257,7 @@ def compare(model_fn, inputs: tuple, world: int, profile: str,
             variants=("simplefsdp", "simplefsdp_auto", "simplefsdp_block")) -> list[dict]:
     """Per system: collectives in its forward and backward graphs, and the simulator's view of them
     (exposed communication, overlap, peak) on ``profile``."""
-    from autoshard.tools.sim.simulator import analyze
+    from autoshard.cost.simulator import analyze
 
     rows = []
     for system in ("autoshard", *variants):

@@ -39,7 +39,7 @@ def inductor_schedule(
 
     ``collective_time(node, nbytes=None)`` (collective starts; ``nbytes`` asks for another
     size, as PyTorch does to price the latency bucketing saves) and ``compute_time(node)``
-    (every other node but waits) give seconds, e.g. :func:`autoshard.compiler.cost_model.estimators`.
+    (every other node but waits) give seconds, e.g. :func:`autoshard.cost.cost_model.estimators`.
 
     Guarantees: the result computes the same values: nodes are only reordered, and a bucket
     moves the same bytes through one concatenated buffer (a bucketed reduce-scatter may add the

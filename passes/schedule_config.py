@@ -2,12 +2,12 @@
 
 :class:`ProfileFigures` declares the device profile's figures that the step model, the
 scheduler, the bucket planner and the simulator read; ``DeviceProfile``
-(``autoshard/compiler/profiles.py``) extends it, so a figure declared here is the profile's
+(``autoshard/cost/profiles.py``) extends it, so a figure declared here is the profile's
 (its JSON files, ``calibrate``) and reaches every consumer as ``config.figures.<name>``.
 :class:`ScheduleConfig` holds the figures with what the cost model builds from the profile
-(``compiler/cost_model.schedule_config``): the estimators, the workspace and what the
-graph's collectives hold. It is passed whole; a new figure is its declaration here and its
-reader.
+(``autoshard/cost/cost_model.py``'s ``schedule_config``): the estimators, the workspace and
+what the graph's collectives hold. It is passed whole; a new figure is its declaration here
+and its reader.
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 The scheduling pass compares candidate orders with these two numbers, so they are cheap
 (one scan of the order) and see only the graph: bytes held outside it (optimizer state)
-are the caller's to add. ``autoshard.tools.sim.simulator`` plays the forward and backward
+are the caller's to add. ``autoshard.cost.simulator`` plays the forward and backward
 together, with the cost model's overlap and slowdown, for reports.
 
 Which storage each node uses is walked here once (:func:`_rooted`), under the model's rule
@@ -99,7 +99,7 @@ def _rooted(nodes: Iterable[fx.Node], base_of: Callable[[fx.Node], fx.Node | Non
     ``nodes`` in a topological order, a base rooted before its aliases: the one walker of
     storage aliases. ``base_of(node)``: the node whose storage ``node`` returns, None when it
     allocates. Its two rules (:class:`Storages`' and :func:`storage_roots`') and the
-    simulator's (``autoshard.tools.sim.liveness.Liveness``) agree on every stage the passes
+    simulator's (``autoshard.cost.liveness.Liveness``) agree on every stage the passes
     see (tests/test_models_agree.py)."""
     root: dict[fx.Node, fx.Node] = {}
     for n in nodes:

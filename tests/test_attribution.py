@@ -9,8 +9,8 @@ from test_cost_model import WORLD, Builder, _gather_and_compute
 from torch import fx
 
 from autoshard._compat import c10d
-from autoshard.tools.sim.liveness import CATEGORIES, Liveness, categorize, saved_sources
-from autoshard.tools.sim.simulator import analyze
+from autoshard.cost.liveness import CATEGORIES, Liveness, categorize, saved_sources
+from autoshard.cost.simulator import analyze
 
 from fake_pg import compile_step
 

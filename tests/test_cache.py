@@ -134,8 +134,8 @@ def test_the_key_changes_with_what_changes_the_plan():
 
     from autoshard._compat import fake_process_group
     from autoshard.compiler.cache_key import cache_key
-    from autoshard.compiler.cost_model import get_profile
     from autoshard.compiler.options import Options
+    from autoshard.cost.cost_model import get_profile
 
     gm, cpu = fx.GraphModule({}, fx.Graph()), get_profile("cpu")
     keys = {}

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 
-from autoshard.compiler.cost_model import COLLECTIVE_KINDS, Link, collective_time, get_profile
+from autoshard.cost.cost_model import COLLECTIVE_KINDS, Link, collective_time, get_profile
 from autoshard.tools.calibrate import measure as calibrate
 
 SIZES = (16 * 2**10, 2**20, 8 * 2**20)

@@ -13,12 +13,12 @@ import torch
 
 import autoshard
 from autoshard import Cluster, NodeGroup
-from autoshard.compiler.cost_model import get_profile
-from autoshard.compiler.profiles import uniform_link
+from autoshard.cost.cost_model import get_profile
+from autoshard.cost.mixed_cluster import step_times
+from autoshard.cost.profiles import uniform_link
+from autoshard.cost.simulator import analyze
 from autoshard.runtime.errors import UsageError
 from autoshard.tools.plan.mixed_summary import single_type_outcome
-from autoshard.tools.sim.mixed_cluster import step_times
-from autoshard.tools.sim.simulator import analyze
 
 from gpt import GPT, GPTConfig
 from models import build

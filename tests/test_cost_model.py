@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import fx
 
 from autoshard._compat import c10d
-from autoshard.compiler.cost_model import (
+from autoshard.cost.cost_model import (
     PROFILES,
     collective_of,
     collective_time,
@@ -23,9 +23,9 @@ from autoshard.compiler.cost_model import (
     node_time,
     workspace,
 )
+from autoshard.cost.simulator import analyze, kwh_per_million_tokens
 from autoshard.passes.step_model import peak_bytes
 from autoshard.runtime.errors import UsageError
-from autoshard.tools.sim.simulator import analyze, kwh_per_million_tokens
 
 from fake_pg import compile_step, fake_world
 

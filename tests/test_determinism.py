@@ -25,7 +25,7 @@ import torch
 from autoshard.compiler.consistency import plan_signature
 from autoshard.passes.schedule import PLAN
 from autoshard.tools.report.report import Report
-from autoshard.tools.sim.simulator import analyze
+from autoshard.cost.simulator import analyze
 from fake_pg import fake_world, sharded_step, same_tokens
 from gpt import GPT, GPTConfig
 

@@ -295,7 +295,7 @@ def test_each_check_can_fail():
     assert pipeline_problems(readme.replace("merge_shared_parameters → lower_annotations", "lower_annotations → merge_shared_parameters"))
     assert stage_list_problems(readme.replace("{captured,joint,", "{joint,captured,"))
     # (e) a file the tree lacks, a room left out
-    assert any("sim/nowhere.py" in p for p in layout_problems(readme.replace("`sim/`", "`sim/` `sim/nowhere.py`")))
+    assert any("report/nowhere.py" in p for p in layout_problems(readme.replace("`report/`", "`report/` `report/nowhere.py`")))
     assert any("room" in p for p in layout_problems(readme.replace("`calibrate/`", "calibrate")))
     # (d) a file that is not there, an anchor that is not there
     assert link_problems(README, readme + "\n[gone](docs/no-such-page.md)\n")

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 import autoshard
-from autoshard.compiler.cost_model import get_profile
+from autoshard.cost.cost_model import get_profile
 from autoshard.runtime import errors
 from autoshard.runtime.errors import (
     AutoshardError,
@@ -46,8 +46,8 @@ WHERE = (
     "autoshard.MixedPrecision: ",
     "autoshard.Report: ",
     "autoshard.tools.launch.run_ranks: ",
-    "autoshard.tools.sim.simulator.analyze: ",
-    "autoshard.tools.sim.simulator.kwh_per_million_tokens: ",
+    "autoshard.cost.simulator.analyze: ",
+    "autoshard.cost.simulator.kwh_per_million_tokens: ",
     "set_requires_gradient_sync: ",
     "autoshard option '",  # a backend option: "autoshard option 'bucket_mb' must be ..."
     "autoshard backend: ",  # compiling failed, not because of one option (ranks' plans differ, unknown options)
@@ -76,11 +76,11 @@ INTERNAL = {
         "internal: apply_plan's compute-time stand-in; placing a given plan never prices a node",
     ("autoshard/_compat/inductor.py", "schedule_overlap_bucketing", "ValueError"):
         "internal: only passes/inductor_schedule.py calls it, with compute_estimator='analytical' and pre-bucketing off",
-    ("autoshard/compiler/cost_model.py", "collective_time", "ValueError"):
+    ("autoshard/cost/cost_model.py", "collective_time", "ValueError"):
         "internal: the kinds come from graph_utils.collective_kind and calibrate, never from a user",
     ("autoshard/compiler/pipeline.py", "check_order", "ValueError"):
         "internal: checked at import; a developer's misordered pass list (tests/test_pipeline.py), not a user's call",
-    ("autoshard/compiler/cost_model.py", "get_profile", "UsageError"):
+    ("autoshard/cost/cost_model.py", "get_profile", "UsageError"):
         "a suffix: the user names a profile through the option, and options.py raises \"autoshard option 'profile': <this>\"",
     ("autoshard/runtime/checkpoint.py", "find_class", "pickle.UnpicklingError"):
         "wrapped by _read_checked: \"autoshard.load: checkpoint P: cannot read .metadata: <this>; ...\"",

@@ -17,13 +17,13 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import autoshard
+from autoshard.cost.liveness import CATEGORIES
+from autoshard.cost.simulator import analyze
 from autoshard.runtime.errors import UsageError
 from autoshard.tools.cli import main
 from autoshard.tools.explain import add_arguments
 from autoshard.tools.report.code import page_code
 from autoshard.tools.report.report import STAGES, Report
-from autoshard.tools.sim.liveness import CATEGORIES
-from autoshard.tools.sim.simulator import analyze
 from autoshard.tools.units import fmt_bytes, fmt_energy, fmt_time
 
 from fake_pg import fake_world, same_tokens, sharded_step

@@ -11,7 +11,7 @@ from torch.utils.flop_counter import flop_registry
 
 import autoshard
 from autoshard._compat import c10d, overlap_scheduler_state
-from autoshard.compiler.cost_model import estimators
+from autoshard.cost.cost_model import estimators
 from autoshard.passes.inductor_schedule import inductor_schedule
 
 from fake_pg import captured_graphs, count, first_example, sharded_step

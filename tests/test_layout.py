@@ -1,4 +1,4 @@
-"""The layering README's layout promises: runtime → passes → compiler → tools, each importing
+"""The layering README's layout promises: runtime → passes → cost → compiler → tools, each importing
 only the layers before it; PyTorch internals (``torch._*``, imported or reached by attribute)
 only in ``autoshard/_compat/``; no import circle among autoshard's modules; every subpackage
 walked. Modules over :data:`MAX_LINES` lines are a guideline, not a rule: each is named in a
@@ -11,9 +11,9 @@ import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYERS = ["_compat", "runtime", "passes", "compiler", "tools", "integrations"]  # each may import those before it
-FOLDERS = {"runtime": "autoshard/runtime", "passes": "passes", "compiler": "autoshard/compiler", "tools": "autoshard/tools",
-           "integrations": "autoshard/integrations"}
+LAYERS = ["_compat", "runtime", "passes", "cost", "compiler", "tools", "integrations"]  # each may import those before it
+FOLDERS = {"runtime": "autoshard/runtime", "passes": "passes", "cost": "autoshard/cost", "compiler": "autoshard/compiler",
+           "tools": "autoshard/tools", "integrations": "autoshard/integrations"}
 
 
 def _layer_of(module: str) -> str | None:

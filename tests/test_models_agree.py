@@ -1,6 +1,6 @@
 """One step, three readers: the step model (passes/step_model.py, what the schedule decides by),
 the keep pass's estimate (passes/keep.py, what the budget keeps blocks by) and the simulator
-(autoshard/tools/sim/, what the report shows and the planner compares) must tell the same story
+(autoshard/cost/, what the report shows and the planner compares) must tell the same story
 of the same graphs. Each keeps its own rules where it needs them; these tests hold them to one
 another on real traced graphs (the tests' GPT, compiled on the fake process group):
 
@@ -21,13 +21,13 @@ import torch
 from torch import fx
 
 from autoshard._compat import c10d
-from autoshard.compiler.cost_model import schedule_config
+from autoshard.cost.cost_model import schedule_config
+from autoshard.cost.liveness import Liveness
+from autoshard.cost.simulator import analyze
 from autoshard.passes.gloo import gathers_into_buffers
 from autoshard.passes.graph_utils import PARAMS, nbytes, positions, wait_of
 from autoshard.passes.keep import _LiveBytes, needed_first
 from autoshard.passes.step_model import Storages, peak_bytes, step_time, storage_roots
-from autoshard.tools.sim.liveness import Liveness
-from autoshard.tools.sim.simulator import analyze
 
 from fake_pg import compile_step, fake_world, same_tokens
 from gpt import GPT, GPTConfig

@@ -131,7 +131,7 @@ def test_the_cost_model_prices_the_expert_exchange_and_the_experts() -> None:
     from torch import fx
 
     from autoshard._compat import FakeTensorMode
-    from autoshard.compiler.cost_model import collective_time, get_profile, node_time
+    from autoshard.cost.cost_model import collective_time, get_profile, node_time
     from autoshard.runtime.expert_ops import EXPERT_PARALLEL, EXPERT_PARALLEL_BACKWARD
 
     profile = get_profile("h100")

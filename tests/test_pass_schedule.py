@@ -14,7 +14,7 @@ from torch import fx
 
 from autoshard._compat import c10d
 from autoshard.compiler.bucket_plan import choose_bucket_mb, step_time_floor
-from autoshard.compiler.cost_model import collective_of
+from autoshard.cost.cost_model import collective_of
 from autoshard.passes import bucket_collectives, schedule_overlap
 from autoshard.passes.graph_utils import collective_kind, nbytes
 from autoshard.passes.schedule import PLAN, SchedulePlan

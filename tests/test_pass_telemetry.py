@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import fx
 
-from autoshard.compiler.cost_model import collective_of
+from autoshard.cost.cost_model import collective_of
 from autoshard.passes.graph_utils import is_wait
 from autoshard.passes.telemetry import TIMED_WAIT, time_waits
 

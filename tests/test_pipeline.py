@@ -9,9 +9,9 @@ from torch import fx
 
 from autoshard._compat import c10d
 from autoshard.compiler import pipeline
-from autoshard.compiler.cost_model import get_profile
 from autoshard.compiler.options import Options
 from autoshard.compiler.pipeline import gloo_memory
+from autoshard.cost.cost_model import get_profile
 from autoshard.passes.graph_utils import collective_kind, is_exchange, wait_of
 from autoshard.passes.step_model import Storages
 from autoshard.tools.report.report import STAGES

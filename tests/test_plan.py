@@ -13,7 +13,7 @@ import torch
 
 import autoshard
 from autoshard._compat import fake_tensor_mode
-from autoshard.compiler.cost_model import get_profile
+from autoshard.cost.cost_model import get_profile
 from autoshard.runtime.errors import UsageError
 from autoshard.runtime.layout import ShardLayout
 from autoshard.tools.launch import run_ranks

@@ -11,8 +11,8 @@ from test_cluster import FAST, SLOW
 
 import autoshard
 from autoshard import Cluster, NodeGroup
+from autoshard.cost.mixed_cluster import scaled_peak, step_times
 from autoshard.tools.plan.shares import best_split, per_rank, with_state
-from autoshard.tools.sim.mixed_cluster import scaled_peak, step_times
 
 pytestmark = pytest.mark.planner
 

@@ -9,7 +9,7 @@ import pytest
 from llama3 import LlamaConfig
 from published import RUNS, replay
 
-from autoshard.compiler.cost_model import collective_time, get_profile
+from autoshard.cost.cost_model import collective_time, get_profile
 
 pytestmark = pytest.mark.planner
 
@@ -60,7 +60,7 @@ def test_causal_attention_is_priced_at_half_its_counted_flops():
     import torch
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from autoshard.compiler.cost_model import node_flops, node_time
+    from autoshard.cost.cost_model import node_flops, node_time
 
     def attend(causal):
         return lambda q, k, v: torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)[0]
@@ -85,8 +85,8 @@ def test_fusing_a_pointwise_chain_prices_it_as_one_kernel():
     import torch
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from autoshard.compiler.cost_model import node_time
-    from autoshard.tools.sim.fusion import fusion_savings
+    from autoshard.cost.cost_model import node_time
+    from autoshard.cost.fusion import fusion_savings
 
     def chain(x, w):
         return torch.mm((x.float() * w).sin().to(torch.bfloat16), x.t())

@@ -7,9 +7,9 @@ from torch import fx
 
 from autoshard._compat import c10d, remove_noop_ops
 from autoshard.compiler.consistency import plan_signature
+from autoshard.cost.simulator import analyze
 from autoshard.passes.graph_utils import PARAMS, collectives, outputs_of, wait_of
 from autoshard.passes.schedule import PLAN, SchedulePlan
-from autoshard.tools.sim.simulator import analyze
 
 from fake_pg import compile_step, same_tokens
 from gpt import GPT, GPTConfig

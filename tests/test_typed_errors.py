@@ -129,7 +129,7 @@ def test_error_types_are_exported():
 PLAIN_VALUE_ERRORS = {
     "autoshard/_compat/inductor.py": "a torch release's missing hook, not the user's mistake",
     "autoshard/compiler/pipeline.py": "a pass declared without what it requires: autoshard's own bug",
-    "autoshard/compiler/cost_model.py": "collective_time's unknown kind: the kinds come from autoshard, never a user",
+    "autoshard/cost/cost_model.py": "collective_time's unknown kind: the kinds come from autoshard, never a user",
     "passes/unbatch.py": "a batch the pass cannot split: autoshard's own bug",
 }
 
@@ -154,8 +154,8 @@ def test_usage_mistakes_raise_usage_error_not_a_plain_value_error(tmp_path):
 
 
 def test_the_tools_usage_mistakes_are_usage_errors():
+    from autoshard.cost.simulator import kwh_per_million_tokens
     from autoshard.tools.calibrate.measure import measure
-    from autoshard.tools.sim.simulator import kwh_per_million_tokens
 
     mistakes = [
         (lambda: autoshard.explain(lambda: torch.nn.Linear(2, 2), torch.zeros(1, 2), world_size=0), "world_size must be a positive int"),

@@ -38,11 +38,11 @@ from autoshard._compat.caches import caches_on, keyed_by
 from autoshard.compiler import pipeline
 from autoshard.compiler.cache_key import cache_key, graph_key
 from autoshard.compiler.consistency import keys_agree, reports_compile_failure, retried_when
-from autoshard.compiler.cost_model import DeviceProfile, get_profile, schedule_config
 from autoshard.compiler.dump import GraphDump
 from autoshard.compiler.ghosts import gather_ghosts, with_leaves
 from autoshard.compiler.logs import CompileLog, log, phase
 from autoshard.compiler.options import Options, parse_options
+from autoshard.cost.cost_model import DeviceProfile, get_profile, schedule_config
 from autoshard.passes.keep import KEPT_BLOCKS
 from autoshard.runtime import leaves
 from autoshard.runtime.errors import over_budget_in

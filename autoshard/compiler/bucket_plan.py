@@ -22,7 +22,7 @@ from typing import Callable
 from torch import fx
 
 from autoshard._compat import copy_graph
-from autoshard.compiler.cost_model import collective_of
+from autoshard.cost.cost_model import collective_of
 from autoshard.passes import bucket_collectives, planned_buckets
 from autoshard.passes.graph_utils import collective_kind, is_wait, nbytes
 from autoshard.passes.schedule import PLAN, SchedulePlan

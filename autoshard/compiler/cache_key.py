@@ -23,9 +23,9 @@ import torch.distributed as dist
 from torch import fx
 
 import autoshard.passes as autoshard_passes
-from autoshard.compiler.cost_model import DeviceProfile
 from autoshard.compiler.ghosts import UNSHARD_ALL
 from autoshard.compiler.options import Options
+from autoshard.cost.cost_model import DeviceProfile
 from autoshard.passes.graph_utils import group_backend, group_ranks
 from autoshard.runtime.batched import calls_of
 

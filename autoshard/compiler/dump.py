@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import fx
 
 if TYPE_CHECKING:
-    from autoshard.compiler.cost_model import DeviceProfile
+    from autoshard.cost.cost_model import DeviceProfile
 
 _graph_ids = itertools.count()
 _recordings: list[tuple[list[dict[str, fx.GraphModule]], Collection[str] | None]] = []

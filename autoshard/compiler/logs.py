@@ -33,7 +33,7 @@ from autoshard.passes.graph_utils import PARAMS, collective_kind, nbytes, tensor
 from autoshard.passes.schedule import PLAN
 
 if TYPE_CHECKING:
-    from autoshard.compiler.cost_model import DeviceProfile
+    from autoshard.cost.cost_model import DeviceProfile
 
 log = logging.getLogger("autoshard.compiler")
 buckets_log = logging.getLogger("autoshard.compiler.buckets")

@@ -104,7 +104,7 @@ class Options:
         if not isinstance(self.telemetry, bool):
             raise UsageError(f"autoshard option 'telemetry' must be True or False, got {self.telemetry!r}.")
         if self.profile is not None:
-            from autoshard.compiler.cost_model import get_profile
+            from autoshard.cost.cost_model import get_profile
 
             try:
                 get_profile(self.profile)

@@ -18,9 +18,9 @@ from torch import fx
 from autoshard._compat import save_random_ops_in_checkpoints
 from autoshard.compiler.bucket_plan import choose_bucket_mb
 from autoshard.compiler.consistency import check_ranks_agree, rank0s
-from autoshard.compiler.cost_model import GLOO_RELEASE_LATE, collective_of
 from autoshard.compiler.logs import phase
 from autoshard.compiler.options import SCHEDULES
+from autoshard.cost.cost_model import GLOO_RELEASE_LATE, collective_of
 from autoshard.passes import (
     bucket_collectives,
     free_collective_buffers,

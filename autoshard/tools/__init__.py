@@ -1,6 +1,5 @@
 """What people run around training, one room per idea:
 
-- ``sim/``: the step simulator (a step played on the cost model, its memory, mixed clusters);
 - ``report/``: what the backend did, for people (summary, HTML page, trace);
 - ``plan/``: ``autoshard.plan``, the layout search and its rules;
 - ``calibrate/``: measuring a machine and fitting a device profile to it;
@@ -8,4 +7,5 @@
   ``launch.py`` (``run_ranks``), ``cli.py`` (the ``autoshard`` command), ``units.py``
   (bytes and times as printed).
 
-Depends on everything below; nothing in ``runtime``, ``passes`` or ``compiler`` imports it."""
+Depends on everything below (the simulator it reads is ``autoshard.cost``); nothing in ``runtime``,
+``passes``, ``cost`` or ``compiler`` imports it."""

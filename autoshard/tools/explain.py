@@ -26,11 +26,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from autoshard._compat import fake_process_group, fake_tensor_mode, tree_leaves
 from autoshard.compiler.dump import recording
 from autoshard.compiler.options import SCHEDULES, parse_options
+from autoshard.cost.cluster import Cluster
 from autoshard.runtime.errors import UsageError, UsageTypeError
 from autoshard.runtime.shard import is_sharded, shard
 from autoshard.tools.plan.shares import best_split
 from autoshard.tools.report.report import Report
-from autoshard.tools.sim.cluster import Cluster
 
 ModelOrFactory = nn.Module | Callable[[], nn.Module]
 
@@ -56,7 +56,7 @@ def explain(
             backend's default for the inputs' device ("cpu" for CPU tensors).
         stages: the stages the report keeps (e.g. ``("captured", "forward", "backward")``, all
             its metrics need); None: every stage (copying one of a large graph takes seconds).
-        cluster: a mixed :class:`~autoshard.tools.sim.cluster.Cluster`: compiled at its size on its
+        cluster: a mixed :class:`~autoshard.cost.cluster.Cluster`: compiled at its size on its
             slowest profile (they replace ``world_size`` and ``profile``), then played with every
             rank type on its own profile and planned batch share (:attr:`Report.mixed_cluster_step`, in the summary).
         options: any other backend option (``schedule``, ``bucket_mb``, ...); ``compiler``

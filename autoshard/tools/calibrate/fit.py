@@ -1,10 +1,10 @@
-"""Fitting a :class:`~autoshard.compiler.cost_model.DeviceProfile` to what
+"""Fitting a :class:`~autoshard.cost.cost_model.DeviceProfile` to what
 :mod:`autoshard.tools.calibrate.measure` measured, and reporting how well it fits; no measuring here,
 so this half runs (and is tested) on synthetic samples alone.
 
 How it is fitted: per collective kind, one latency (per ring step) and one bus bandwidth, by
 least squares over all sizes and world sizes of that kind on the single-node formula of
-:func:`~autoshard.compiler.cost_model.collective_time`, ``t = m * ((n-1) * latency + (n-1)/n * nbytes /
+:func:`~autoshard.cost.cost_model.collective_time`, ``t = m * ((n-1) * latency + (n-1)/n * nbytes /
 bandwidth)`` (m = 2 for all_reduce, else 1). Residuals are relative (each row divided by its
 measured time), so 4 KiB and 16 MiB collectives weigh alike; the fit is non-negative
 (latency >= 0, 1/bandwidth >= 1e-15). :func:`fit_report` compares the fit with the measurements.
@@ -20,7 +20,7 @@ from typing import Sequence
 import torch
 from tabulate import tabulate
 
-from autoshard.compiler.cost_model import (
+from autoshard.cost.cost_model import (
     COLLECTIVE_KINDS,
     GLOO_INPUT_COPIED,
     GLOO_WORKSPACE,

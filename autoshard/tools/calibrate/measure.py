@@ -1,4 +1,4 @@
-"""Measure this machine and fit a :class:`~autoshard.compiler.cost_model.DeviceProfile` to it
+"""Measure this machine and fit a :class:`~autoshard.cost.cost_model.DeviceProfile` to it
 (``python -m autoshard calibrate``).
 
 What is measured, on ``w`` gloo ranks spawned on this machine for each world size ``w``; each
@@ -9,7 +9,7 @@ taken under the contention training sees:
   call; median over repeats, then median over ranks): matmul FLOP/s per dtype (square ``mm``,
   ``2 n^3 / t``, ``n`` doubled from 128 until a warm call takes a millisecond), memory bandwidth
   (``torch.add(a, b, out=c)`` on 64 MiB tensors: input + output bytes / t, the bytes
-  :func:`~autoshard.compiler.cost_model.node_time` counts) and launch overhead (``torch.add`` on
+  :func:`~autoshard.cost.cost_model.node_time` counts) and launch overhead (``torch.add`` on
   1-element tensors, per call);
 - collectives, at every world size: the functional ``all_gather_into_tensor``,
   ``reduce_scatter_tensor`` (as the graphs run it over gloo: ``all_to_all_single``, then a mean
@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from autoshard._compat import all_gather_single, c10d
-from autoshard.compiler.cost_model import COLLECTIVE_KINDS, DeviceProfile
+from autoshard.cost.cost_model import COLLECTIVE_KINDS, DeviceProfile
 from autoshard.runtime.errors import UsageError
 from autoshard.tools.calibrate.fit import Measurements, Sample, fit, fit_errors, fit_report
 from autoshard.tools.launch import run_ranks

@@ -3,4 +3,4 @@
 (``result.py``, ``mixed_summary.py``), and on a mixed cluster the batch and state shares
 (``shares.py``).
 
-A new planner rule goes here; it reads simulations from :mod:`autoshard.tools.sim`."""
+A new planner rule goes here; it reads simulations from :mod:`autoshard.cost`."""

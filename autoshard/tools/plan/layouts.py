@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from autoshard.compiler.cost_model import DeviceProfile, collective_time
+from autoshard.cost.cost_model import DeviceProfile, collective_time
 from autoshard.runtime.experts import is_experts
 
 PRECISIONS = ("fp32", "bf16")  # bf16: gathered and computed in bfloat16, gradients reduced in float32

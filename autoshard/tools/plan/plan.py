@@ -37,15 +37,15 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from autoshard._compat import fake_tensor_mode
-from autoshard.compiler.cost_model import get_profile
 from autoshard.compiler.options import parse_options
+from autoshard.cost.cluster import Cluster
+from autoshard.cost.cost_model import get_profile
 from autoshard.runtime.errors import OverBudgetError, UsageError, over_budget_in
 from autoshard.runtime.shard import is_sharded, shard
 from autoshard.tools.explain import add_input_arguments, explain, input_maker, load_factory
 from autoshard.tools.plan.layouts import PRECISIONS, Bounds, Candidate, Params, candidates
 from autoshard.tools.plan.result import Outcome, Plan, _limit_bytes, _mixed_precision
 from autoshard.tools.plan.shares import best_split
-from autoshard.tools.sim.cluster import Cluster
 from autoshard.tools.units import fmt_bytes, fmt_time
 
 
@@ -247,7 +247,7 @@ def plan(
     OverBudgetError (a ValueError) when no candidate fits, naming the smallest peak one has.
 
     ``cluster`` (instead of ``world_size``, ``ranks_per_node`` and ``profile``): a
-    :class:`~autoshard.tools.sim.cluster.Cluster`. A homogeneous one gives exactly the plan of its
+    :class:`~autoshard.cost.cluster.Cluster`. A homogeneous one gives exactly the plan of its
     profile and size (``memory_budget_gb``: its memory, where given). A mixed one: the
     candidates are compiled and searched as for the single-type plan: the cluster taken as all of
     its slowest type (every rank as slow and as small as the slowest); each compiled one is then
@@ -258,7 +258,7 @@ def plan(
     :mod:`autoshard.tools.plan.shares`)."""
     if cluster is not None:
         if not isinstance(cluster, Cluster):
-            raise UsageError(f"autoshard.plan: cluster must be an autoshard.tools.sim.cluster.Cluster, got {type(cluster).__name__}.")
+            raise UsageError(f"autoshard.plan: cluster must be an autoshard.cost.cluster.Cluster, got {type(cluster).__name__}.")
         given = [name for name, v in (("world_size", world_size), ("ranks_per_node", ranks_per_node), ("profile", profile))
                  if v is not None]
         if given:

@@ -9,13 +9,13 @@ from typing import Any
 
 import torch
 
+from autoshard.cost.cluster import Cluster
+from autoshard.cost.mixed_cluster import TypeStep
+from autoshard.cost.simulator import kwh_per_million_tokens
 from autoshard.runtime.layout import ShardLayout
 from autoshard.runtime.mixed_precision import MixedPrecision
 from autoshard.tools.plan.layouts import Candidate
 from autoshard.tools.plan.mixed_summary import mixed_summary
-from autoshard.tools.sim.cluster import Cluster
-from autoshard.tools.sim.mixed_cluster import TypeStep
-from autoshard.tools.sim.simulator import kwh_per_million_tokens
 from autoshard.tools.units import fmt_bytes, fmt_energy, fmt_time
 
 

@@ -4,7 +4,7 @@ simulated compute at an even share), is capped where a type's memory would not h
 (only the batch-sized part of its memory moves with its share; where even state shards do not
 fit a type at all and the layout can cut them, every type holds a state share proportional to
 its memory: the state shares below), and
-is then refined on the mixed-cluster simulator (:mod:`autoshard.tools.sim.mixed_cluster`): a few
+is then refined on the mixed-cluster simulator (:mod:`autoshard.cost.mixed_cluster`): a few
 rounds that move samples towards the types that finished their compute early, keeping the
 split with the shortest simulated step.
 """
@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autoshard.tools.sim.cluster import Cluster
-from autoshard.tools.sim.mixed_cluster import TypeStep, most_factor, scaled_peak, step_times
-from autoshard.tools.sim.simulator import Simulation
+from autoshard.cost.cluster import Cluster
+from autoshard.cost.mixed_cluster import TypeStep, most_factor, scaled_peak, step_times
+from autoshard.cost.simulator import Simulation
 
 ROUNDS = 6  # refinements on the simulator after the proportional split
 
@@ -101,7 +101,7 @@ def best_split(simulation: Simulation, cluster: Cluster, extra_bytes: float, def
 # parameters and collective buffers scale by the widest factor ``max(s)``: gloo and NCCL have
 # no all-gather-v, so every shard is padded to the widest share and a gather moves
 # ``world_size * max(rows)`` rows. The same factor prices the collectives' time
-# (:func:`autoshard.tools.sim.mixed_cluster.step_times`'s ``comm_factor``).
+# (:func:`autoshard.cost.mixed_cluster.step_times`'s ``comm_factor``).
 STATE = ("shards", "gradients")  # memory categories a rank's state share scales
 PADDED = ("gathered", "comm_buffers")  # memory categories the widest share scales (padding)
 

@@ -7,8 +7,8 @@ import re
 
 from torch import fx
 
+from autoshard.cost.liveness import module_path
 from autoshard.passes.graph_utils import block_of
-from autoshard.tools.sim.liveness import module_path
 
 MAX_CODE_CHARS = 500_000  # per stage in the page, after folding; an 8B model's joint graph is tens of MB
 

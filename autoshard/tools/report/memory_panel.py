@@ -1,11 +1,11 @@
 """The report page's memory panel: live bytes of one rank over the simulated step as a stacked
-area by what they hold (:data:`autoshard.tools.sim.liveness.CATEGORIES`) on a labelled axis, the
+area by what they hold (:data:`autoshard.cost.liveness.CATEGORIES`) on a labelled axis, the
 peak and the lower bound marked; and the tables of what is alive at the peak."""
 from __future__ import annotations
 
+from autoshard.cost.liveness import CATEGORIES
+from autoshard.cost.simulator import StepAnalysis
 from autoshard.tools.report.svg import Layout, esc, peak_positions, ticks
-from autoshard.tools.sim.liveness import CATEGORIES
-from autoshard.tools.sim.simulator import StepAnalysis
 from autoshard.tools.units import byte_unit, fmt_bytes, fmt_time
 
 COLORS = {

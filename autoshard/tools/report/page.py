@@ -9,13 +9,13 @@ from typing import Protocol
 
 from torch import fx
 
-from autoshard.compiler.cost_model import DeviceProfile
+from autoshard.cost.cost_model import DeviceProfile
+from autoshard.cost.liveness import parameters_label
+from autoshard.cost.simulator import Event, StepAnalysis
 from autoshard.tools.report.code import page_code
 from autoshard.tools.report.memory_panel import MEMORY_CSS, memory_panel, peak_tables
 from autoshard.tools.report.pass_changes import PassSummary
 from autoshard.tools.report.svg import Layout, esc, ticks
-from autoshard.tools.sim.liveness import parameters_label
-from autoshard.tools.sim.simulator import Event, StepAnalysis
 from autoshard.tools.units import fmt_bytes, fmt_time
 
 

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 from torch import fx
 
-from autoshard.compiler.cost_model import collective_of
 from autoshard.compiler.pipeline import what_happened
+from autoshard.cost.cost_model import collective_of
 from autoshard.passes.graph_utils import PARAMS
 
 

@@ -1,5 +1,5 @@
 """What the backend did to one compiled graph: its stages as code, what each pass changed, and
-one simulated training step (:mod:`autoshard.tools.sim.simulator`) as a table, an HTML page and a Chrome
+one simulated training step (:mod:`autoshard.cost.simulator`) as a table, an HTML page and a Chrome
 trace.
 
 A :class:`Report` is built from the stage copies that :func:`autoshard.compiler.dump.recording` collects
@@ -17,8 +17,10 @@ import torch.distributed as dist
 from tabulate import tabulate
 from torch import fx
 
-from autoshard.compiler.cost_model import DeviceProfile, get_profile
 from autoshard.compiler.pipeline import STAGES
+from autoshard.cost.cost_model import DeviceProfile, get_profile
+from autoshard.cost.liveness import CATEGORIES, parameters_label
+from autoshard.cost.simulator import EVENT_KINDS, Event, Simulation, StepAnalysis, simulate
 from autoshard.passes.graph_utils import parameter_reads
 from autoshard.passes.schedule import PLAN
 from autoshard.runtime.errors import UsageError
@@ -27,8 +29,6 @@ from autoshard.tools.report.code import node_block
 from autoshard.tools.report.page import ComputeGroup, render_html
 from autoshard.tools.report.pass_changes import PassSummary, op_label, summarize_pass
 from autoshard.tools.report.svg import downsample, peak_positions
-from autoshard.tools.sim.liveness import CATEGORIES, parameters_label
-from autoshard.tools.sim.simulator import EVENT_KINDS, Event, Simulation, StepAnalysis, simulate
 from autoshard.tools.units import fmt_bytes, fmt_energy, fmt_time
 
 __all__ = ["STAGES", "ComputeGroup", "PassSummary", "Report", "op_label", "summarize_pass"]
@@ -38,7 +38,7 @@ class Report:
     """Stages, pass summaries and the simulated step of one compiled graph (one rank).
 
     ``stages``: stage name -> graph, in :data:`STAGES` order (copies; never modified).
-    ``simulation``: :func:`autoshard.tools.sim.simulator.simulate` of the final forward and backward
+    ``simulation``: :func:`autoshard.cost.simulator.simulate` of the final forward and backward
     (no backward for an inference graph) on ``profile``, what the planner reads too; ``analysis``
     its :class:`StepAnalysis`, which ``metrics`` and every table, page and trace are read from,
     never recomputed. Build it while the process group the graph

@@ -18,7 +18,7 @@ from typing import Callable, NamedTuple
 
 from torch import fx
 
-from autoshard.compiler.cost_model import DeviceProfile, get_profile, is_attention, node_flops, node_time
+from autoshard.cost.cost_model import DeviceProfile, get_profile, is_attention, node_flops, node_time
 from autoshard.passes.graph_utils import collective_kind, is_view, is_wait, tensor_bytes
 
 
@@ -58,7 +58,7 @@ def fusion_savings(gm: fx.GraphModule, profile: str | DeviceProfile,
     connected runs (an edge between two fusible ops joins them): each run priced as one
     kernel (a launch, plus the bytes of its distinct outside inputs and of its outputs used
     outside it, over the memory bandwidth) against its ops priced one kernel each
-    (:func:`autoshard.compiler.cost_model.node_time`)."""
+    (:func:`autoshard.cost.cost_model.node_time`)."""
     profile = get_profile(profile)
     ops = [n for n in gm.graph.nodes if _fusible(n, within)]
     members = set(ops)

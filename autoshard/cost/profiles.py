@@ -1,5 +1,5 @@
 """Device profiles: the throughput, latency and memory figures of one device and the links
-between devices, as the cost model (:mod:`autoshard.compiler.cost_model`) prices graphs with
+between devices, as the cost model (:mod:`autoshard.cost.cost_model`) prices graphs with
 them; the built-in profiles (:data:`PROFILES`) and how one is written to and read from JSON."""
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 Compute runs on one stream; each process group has its own communication stream. Durations
 come from :mod:`autoshard.cost_model`; memory is tracked per rank by liveness of tensor
-storages (:mod:`autoshard.tools.sim.liveness`), each attributed to what it holds. Works on graphs
+storages (:mod:`autoshard.cost.liveness`), each attributed to what it holds. Works on graphs
 compiled under the fake process group with fake or meta tensors, so any world size and model
 size can be simulated without their memory.
 """
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from torch import fx
 
-from autoshard.compiler.cost_model import (
+from autoshard.cost.cost_model import (
     DeviceProfile,
     collective_of,
     collective_time,
@@ -22,11 +22,11 @@ from autoshard.compiler.cost_model import (
     node_time,
     schedule_config,
 )
+from autoshard.cost.liveness import CATEGORIES, Liveness, MemoryPeak, Order, categorize, issuer, peak_of, saved_sources
 from autoshard.passes.graph_utils import COLLECTIVE_KINDS, PARAMS, is_wait
 from autoshard.passes.schedule_config import ScheduleConfig
 from autoshard.runtime.errors import UsageError
 from autoshard.runtime.expert_ops import EXPERT_PARALLEL, EXPERT_PARALLEL_BACKWARD
-from autoshard.tools.sim.liveness import CATEGORIES, Liveness, MemoryPeak, Order, categorize, issuer, peak_of, saved_sources
 
 ALL_TO_ALL = "all_to_all"  # an expert-parallel op's exchanges: a kind of event and of comm_bytes
 EVENT_KINDS = (*COLLECTIVE_KINDS, ALL_TO_ALL)
@@ -74,7 +74,7 @@ class StepAnalysis:
     ``step_lower_bound <= step_time``; the collectives' ``exposed`` sum to ``exposed_comm``.
     ``timeline`` holds every collective and every compute node of nonzero time, in program
     order; ``memory_curve`` the live bytes after each node starts; ``memory_by_category`` the
-    same split by what the bytes hold (keys of :data:`autoshard.tools.sim.liveness.CATEGORIES`):
+    same split by what the bytes hold (keys of :data:`autoshard.cost.liveness.CATEGORIES`):
     at every point the categories sum to the curve.
 
     ``energy_j``: joules of one step on one rank: ``compute_time`` at the profile's busy power
@@ -255,7 +255,7 @@ def kwh_per_million_tokens(energy_j_per_rank: float, world_size: int, tokens_per
     """kWh that a million tokens cost when one step costs ``energy_j_per_rank`` joules on
     each of ``world_size`` ranks and trains on ``tokens_per_step`` tokens over all of them."""
     if world_size < 1 or tokens_per_step < 1:
-        raise UsageError(f"autoshard.tools.sim.simulator.kwh_per_million_tokens: world_size and tokens_per_step must be positive, "
+        raise UsageError(f"autoshard.cost.simulator.kwh_per_million_tokens: world_size and tokens_per_step must be positive, "
                          f"got {world_size} and {tokens_per_step}; pass the ranks and the tokens one step trains on over all of them.")
     return energy_j_per_rank * world_size / 3.6e6 * 1e6 / tokens_per_step  # 1 kWh = 3.6e6 J
 

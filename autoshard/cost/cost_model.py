@@ -17,7 +17,7 @@ from torch.utils.flop_counter import flop_registry
 from autoshard._compat import c10d, optimization_hint
 
 # The profiles live in profiles.py; callers read them from here too.
-from autoshard.compiler.profiles import (  # noqa: F401
+from autoshard.cost.profiles import (  # noqa: F401
     GLOO_INPUT_COPIED,
     GLOO_RELEASE_LATE,
     GLOO_WORKSPACE,

@@ -15,8 +15,8 @@ import dataclasses
 import json
 from dataclasses import dataclass
 
-from autoshard.compiler.cost_model import get_profile
-from autoshard.compiler.profiles import DeviceProfile, Link
+from autoshard.cost.cost_model import get_profile
+from autoshard.cost.profiles import DeviceProfile, Link
 from autoshard.runtime.errors import UsageError
 
 

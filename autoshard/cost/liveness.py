@@ -53,7 +53,7 @@ def saved_sources(forward: fx.GraphModule, backward: fx.GraphModule | None) -> d
     outputs = forward.graph.output_node().args[0]
     if len(saved_inputs) > len(outputs):
         raise UsageError(
-            f"autoshard.tools.sim.simulator.analyze: backward takes {len(saved_inputs)} saved values but forward returns only "
+            f"autoshard.cost.simulator.analyze: backward takes {len(saved_inputs)} saved values but forward returns only "
             f"{len(outputs)} outputs: not an AOT autograd forward/backward pair; pass the forward and backward of one compiled graph."
         )
     saved = outputs[len(outputs) - len(saved_inputs) :]

@@ -1,4 +1,4 @@
-"""One training step on a mixed cluster (:class:`autoshard.tools.sim.cluster.Cluster`): every rank
+"""One training step on a mixed cluster (:class:`autoshard.cost.cluster.Cluster`): every rank
 type (node group) plays the same forward and backward graphs on its own profile and with its
 own share of the global batch, all types side by side.
 
@@ -18,10 +18,10 @@ from dataclasses import dataclass
 
 from torch import fx
 
-from autoshard.compiler.cost_model import collective_of, collective_time, node_time, schedule_config
+from autoshard.cost.cluster import Cluster
+from autoshard.cost.cost_model import collective_of, collective_time, node_time, schedule_config
+from autoshard.cost.liveness import issuer, saved_sources
 from autoshard.passes.graph_utils import is_wait
-from autoshard.tools.sim.cluster import Cluster
-from autoshard.tools.sim.liveness import issuer, saved_sources
 
 SCALED = ("inputs", "activations", "temporaries")  # memory categories that grow with a rank's batch
 
@@ -63,7 +63,7 @@ def step_times(forward: fx.GraphModule, backward: fx.GraphModule | None, cluster
                group_ranks: dict[str, tuple[int, ...]], comm_factor: float = 1.0) -> tuple[float, list[float], list[float]]:
     """(step seconds, busy seconds per type, waiting seconds per type) with each node group's
     ranks at ``factors[i]`` times the even batch; ``group_ranks``: rank 0's ranks of each
-    process group named in the graphs (:attr:`autoshard.tools.sim.simulator.Simulation.group_ranks`). ``comm_factor``:
+    process group named in the graphs (:attr:`autoshard.cost.simulator.Simulation.group_ranks`). ``comm_factor``:
     the widest state factor under state shares: every all-gather and reduce-scatter moves
     shards padded to the widest share (no all-gather-v), that many times the even bytes."""
     types = range(len(cluster.nodes))
