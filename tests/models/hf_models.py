@@ -73,6 +73,10 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "gpt2": _gpt2, "llama": _llama, "llama_checkpointed": _llama_checkpointed, "qwen2_moe": _qwen2_moe, "t5": _t5,
     "resnet": _resnet, "vit": _vit,
 }
+# Resolved here, not at first use: the launcher's fork server imports this module once for every
+# launch (tests/models/conftest.py), its ranks then find the classes imported.
+CLASSES = (tf.LlamaForCausalLM, tf.GPT2LMHeadModel, tf.Qwen2MoeForCausalLM, tf.T5ForConditionalGeneration,
+           tf.ResNetForImageClassification, tf.ViTForImageClassification, tf.MixtralForCausalLM)
 PER_RANK_STATISTICS = {"resnet"}  # BatchNorm normalises each rank's slice, as under DDP
 IMAGES = {"resnet": 16, "vit": 32}  # image models: the side of their square inputs
 
