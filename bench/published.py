@@ -137,10 +137,11 @@ def planned(cfg: LlamaConfig, run: Published, profile: Any) -> dict[str, Any]:
 
 
 def replay(profile: Any = "h100_grand_teton", cfg: LlamaConfig = LLAMA3_8B, runs: tuple[Published, ...] = RUNS,
-           with_plan: bool = False, progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+           with_plan: bool = False, progress: Callable[[str], None] | None = None, with_autoshard: bool = True) -> list[dict[str, Any]]:
     """A row per published run: published and predicted tokens/s/GPU and memory with their
-    ratios (FSDP2's schedule, the system that ran), then autoshard's default for the same job,
-    and with ``with_plan`` the layout ``autoshard.plan`` picks."""
+    ratios (FSDP2's schedule, the system that ran), then autoshard's default for the same job
+    (unless ``with_autoshard`` is False: one compile per job instead of two), and with
+    ``with_plan`` the layout ``autoshard.plan`` picks."""
     rows, seen = [], {}
     for run in runs:
         start = time.perf_counter()
@@ -149,16 +150,16 @@ def replay(profile: Any = "h100_grand_teton", cfg: LlamaConfig = LLAMA3_8B, runs
         # run's step is the eager one less what fusing its blocks saves.
         key = (run.world, run.batch, run.seq)
         if key not in seen:
-            seen[key] = _played(job, run, profile, "fsdp2"), _played(job, run, profile, "autoshard")
-        fsdp2, ours = (_figures(m, run, saved if run.compiled else 0.0) for m, saved in seen[key])
+            seen[key] = [_played(job, run, profile, s) for s in ("fsdp2", "autoshard")[:1 + with_autoshard]]
+        fsdp2, *ours = (_figures(m, run, saved if run.compiled else 0.0) for m, saved in seen[key])
         row = {"gpus": run.world, "compile": run.compiled,
                "published_tok_s": run.tokens_per_s, "predicted_tok_s": fsdp2["tokens_per_s"],
                "tok_s_ratio": fsdp2["tokens_per_s"] / run.tokens_per_s,
                "published_gib": run.memory_gib, "predicted_gib": fsdp2["memory_gib"],
                "gib_ratio": None if run.memory_gib is None else fsdp2["memory_gib"] / run.memory_gib,
-               "step_s": fsdp2["step_s"], "compute_s": fsdp2["compute_s"], "exposed_pct": fsdp2["exposed_pct"],
-               "autoshard_step_s": ours["step_s"], "autoshard_gib": ours["memory_gib"],
-               "autoshard_vs_fsdp2": ours["step_s"] / fsdp2["step_s"]}
+               "step_s": fsdp2["step_s"], "compute_s": fsdp2["compute_s"], "exposed_pct": fsdp2["exposed_pct"]}
+        for o in ours:
+            row.update(autoshard_step_s=o["step_s"], autoshard_gib=o["memory_gib"], autoshard_vs_fsdp2=o["step_s"] / fsdp2["step_s"])
         if with_plan:
             p = planned(job, run, profile)
             row.update(plan_layout=p["layout"], plan_step_s=p["step_s"], plan_gib=p["memory_gib"])
