@@ -12,6 +12,7 @@ from autoshard.cost.cluster import Cluster, NodeGroup
 from autoshard.runtime import checkpoint, errors, ops
 from autoshard.runtime.batch_shares import batch_sizes, set_batch_shares, split_batch
 from autoshard.runtime.checkpoint import full_state_dict, load, save
+from autoshard.runtime.compression import Compression
 from autoshard.runtime.errors import (
     AutoshardError,
     CheckpointError,
@@ -36,10 +37,10 @@ from autoshard.tools.report.report import Report, timeline, write_report
 # launcher and the annotation ops stay reachable (autoshard.launch.run_ranks, autoshard.ops) for
 # the tests and benchmarks, but are not part of it.
 __all__ = [
-    "AutoshardError", "CheckpointError", "Cluster", "InflightCapError", "MixedPrecision", "NodeGroup", "OverBudgetError", "Plan",
-    "PlanMismatchError", "RankFailedError", "Report", "ShardLayout", "Telemetry", "UsageError", "batch_sizes", "explain", "explain_graphs",
-    "full_state_dict", "full_tensor", "is_sharded", "load", "materialize", "plan", "save", "set_batch_shares", "shard",
-    "split_batch",
+    "AutoshardError", "CheckpointError", "Cluster", "Compression", "InflightCapError", "MixedPrecision", "NodeGroup",
+    "OverBudgetError", "Plan", "PlanMismatchError", "RankFailedError", "Report", "ShardLayout", "Telemetry", "UsageError",
+    "batch_sizes", "explain", "explain_graphs", "full_state_dict", "full_tensor", "is_sharded", "load", "materialize",
+    "plan", "save", "set_batch_shares", "shard", "split_batch",
 ]
 
 # Module paths users import (``autoshard.launch.run_ranks``, ``import autoshard.checkpoint``, ``autoshard.errors``)

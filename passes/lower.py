@@ -8,6 +8,7 @@ from torch import fx
 
 from autoshard._compat import c10d, must_recompute
 from autoshard.runtime.ops import chunk_rows
+from autoshard.runtime.quantize import DEQUANTIZE, QUANTIZE
 
 from .graph_utils import PARAMS, Replacer, arg, call, is_op, is_view, named_args, positions, val
 from .keep import KEPT_BLOCKS, extra_blocks, kept_for_backward
@@ -86,20 +87,35 @@ def _spread_rows(graph: fx.Graph, grad: fx.Node, rows: list[int]) -> fx.Node:
     return call(graph, aten.cat.default, pieces)
 
 
+def _gather(graph: fx.Graph, padded: fx.Node, world: int, group: str, name: str, block: int,
+            dtype: torch.dtype | None) -> list[fx.Node]:
+    """The gather of a padded shard ``[chunk, ...]``, the last node its ``[world * chunk, ...]``
+    result; with ``block`` (compression), of its int8 packing, dequantized to ``dtype`` after
+    the wait: [quantize_blocks ->] all_gather -> wait [-> dequantize_blocks]."""
+    moved = call(graph, QUANTIZE, padded, block) if block else padded  # int8 [nb * (block + 4)]
+    gather = call(graph, c10d.all_gather_into_tensor.default, moved, world, group)
+    gather.meta[PARAMS] = (name,)
+    wait = call(graph, c10d.wait_tensor.default, gather)
+    if not block:
+        return [gather, wait]
+    shape = list(val(padded).shape)
+    return [moved, gather, wait, call(graph, DEQUANTIZE, wait, world, block, shape, dtype or val(padded).dtype)]
+
+
 def _lower_unshard(graph: fx.Graph, node: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
     a = named_args(node)
     shard, group, world, dim0, name = a["shard"], a["group_name"], a["world_size"], a["dim0"], a["name"]
-    cast = _cast(graph, shard, a["param_dtype"])  # on the shard: the gather moves the low precision
+    block = a.get("quant_block", 0) if world > 1 else 0
+    # On the shard: the gather moves the low precision (quantized gathers start from the shard's own).
+    cast = shard if block else _cast(graph, shard, a["param_dtype"])
     if world == 1:
         return cast, [cast] if cast is not shard else []
     shared = _shared_rows(a.get("rows"))
     chunk = max(a["rows"]) if shared else chunk_rows(dim0, world)
     padded = _pad_rows(graph, cast, chunk, shard=shared or _uneven(dim0, world))
-    gather = call(graph, c10d.all_gather_into_tensor.default, padded, world, group)
-    gather.meta[PARAMS] = (name,)
-    gathered = call(graph, c10d.wait_tensor.default, gather)
+    *moved, gathered = _gather(graph, padded, world, group, name, block, a["param_dtype"])
     full, joined = _join_rows(graph, gathered, list(a["rows"])) if shared else (_take_rows(graph, gathered, dim0), [])
-    return full, [n for n in dict.fromkeys((cast, padded, gathered.args[0], gathered, *joined, full)) if n is not shard]
+    return full, [n for n in dict.fromkeys((cast, padded, *moved, gathered, *joined, full)) if n is not shard]
 
 
 def _lower_reduce_grad(graph: fx.Graph, node: fx.Node) -> fx.Node:
@@ -148,7 +164,10 @@ def lower_annotations(gm: fx.GraphModule, reshard_after_forward: bool | None = N
     """Replace every autoshard annotation op with c10d functional collectives.
 
     Guarantees: ``unshard`` becomes [cast] -> pad -> all_gather_into_tensor -> wait_tensor ->
-    slice, ``reduce_grad`` becomes [cast] -> pad -> reduce_scatter_tensor(avg) -> wait_tensor
+    slice (with the op's ``quant_block``, compression: pad -> quantize_blocks ->
+    all_gather_into_tensor of int8 -> wait_tensor -> dequantize_blocks to ``param_dtype`` ->
+    slice, no cast; the gradient path is unchanged, straight through), ``reduce_grad``
+    becomes [cast] -> pad -> reduce_scatter_tensor(avg) -> wait_tensor
     [-> all_reduce(avg) over the replica group -> wait_tensor] -> slice [-> cast],
     Under uneven state shares (the ops' ``rows``) every shard is padded to ``max(rows)``: the
     gather's result is split and its real rows concatenated, and the gradient is split by
@@ -165,7 +184,8 @@ def lower_annotations(gm: fx.GraphModule, reshard_after_forward: bool | None = N
     no more than ``keep_at_most`` blocks beyond the first, on a joint graph; how many it kept
     beyond the first is ``gm.meta["autoshard_kept_blocks"]``) and the views of their results
     are tagged MUST_RECOMPUTE, so a
-    partitioned forward saves their shards, not the full parameters. Numerics are unchanged; the pass is idempotent.
+    partitioned forward saves their shards, not the full parameters. Numerics are the annotation ops' run eagerly
+    (unchanged, or quantized alike); the pass is idempotent.
     """
     graph = gm.graph
     if not any(graph.find_nodes(op="call_function", target=getattr(annotations, name).default)

@@ -44,6 +44,7 @@ WHERE = (
     "autoshard.explain: ",  # also autoshard.explain_graphs, which shares its checks
     "autoshard.materialize: ",
     "autoshard.MixedPrecision: ",
+    "autoshard.Compression: ",
     "autoshard.Report: ",
     "autoshard.tools.launch.run_ranks: ",
     "autoshard.cost.simulator.analyze: ",

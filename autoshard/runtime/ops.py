@@ -27,6 +27,9 @@ Arguments shared by the ops:
   ``[sum(rows[:r]), sum(rows[:r+1]))``. Collectives then pad every shard to ``max(rows)``
   (gloo and NCCL have no all-gather-v) and cut each rank's rows back out
   (:func:`join_rows`, :func:`spread_rows`).
+* ``quant_block``: 0 normally. Under ``autoshard.Compression(gather="int8")``, the elements per
+  scale: the padded shard is gathered as int8 blocks and dequantized to ``param_dtype`` (or its
+  own dtype) after the gather (:mod:`autoshard.runtime.quantize`); the backward is unchanged.
 """
 from __future__ import annotations
 
@@ -36,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from autoshard._compat import OpOverload, c10d, new_empty, schema_arguments
+from autoshard.runtime import quantize
 
 
 def arguments(op: OpOverload, args: Sequence[Any], kwargs: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -124,23 +128,31 @@ def _average_over_replicas(t: torch.Tensor, replica_group: str, replicas: int) -
 def unshard(  # one line per group of arguments (see the module docstring)
     shard: torch.Tensor, group_name: str, world_size: int, dim0: int, reshard: Optional[bool], name: str,
     sink: Optional[torch.Tensor], param_dtype: Optional[torch.dtype], reduce_dtype: Optional[torch.dtype],
-    replica_group: str, replicas: int, rows: Optional[list[int]] = None,
+    replica_group: str, replicas: int, rows: Optional[list[int]] = None, quant_block: int = 0,
 ) -> torch.Tensor:
     """All-gather ``shard`` (this rank's rows of a ``dim0``-row parameter), cast to
-    ``param_dtype`` first, into the full parameter.
+    ``param_dtype`` first (or, with ``quant_block``, quantized and dequantized to it after the
+    gather), into the full parameter.
 
     ``reshard``: free the result after forward and gather again in backward; None: unless the
     backward needs it first (the lowering decides, see ``passes/lower.py``). Backward:
     :func:`reduce_grad`, or the full gradient to ``sink`` when one is given.
     """
-    padded = pad_rows(_cast(shard, param_dtype), max(rows) if rows else chunk_rows(dim0, world_size)).contiguous()
-    gathered = c10d.wait_tensor(c10d.all_gather_into_tensor(padded, world_size, group_name))
+    chunk = max(rows) if rows else chunk_rows(dim0, world_size)
+    if quant_block:
+        padded = pad_rows(shard, chunk)  # [chunk, ...], in the shard's dtype
+        packed = quantize.quantize(padded, quant_block)  # int8 [nb * (block + 4)]
+        moved = c10d.wait_tensor(c10d.all_gather_into_tensor(packed, world_size, group_name))
+        gathered = quantize.dequantize_blocks(moved, world_size, quant_block, list(padded.shape), param_dtype or shard.dtype)
+    else:
+        padded = pad_rows(_cast(shard, param_dtype), chunk).contiguous()
+        gathered = c10d.wait_tensor(c10d.all_gather_into_tensor(padded, world_size, group_name))
     return join_rows(gathered, rows) if rows else gathered[:dim0].clone()
 
 
 @unshard.register_fake
 def _unshard_fake(shard, group_name, world_size, dim0, reshard, name, sink, param_dtype, reduce_dtype, replica_group, replicas,
-                  rows=None):
+                  rows=None, quant_block=0):
     return new_empty(shard, (dim0, *shard.shape[1:]), param_dtype or shard.dtype)
 
 

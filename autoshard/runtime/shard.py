@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor, Placement
 from autoshard.runtime import experts as expert_parallelism
 from autoshard.runtime import grad_sync, leaves
 from autoshard.runtime.batch_shares import normalize, note_uneven_shares, set_batch_shares
+from autoshard.runtime.compression import Compression, gather_block_for
 from autoshard.runtime.errors import UsageError
 from autoshard.runtime.fail_together import check_same_on_all_ranks
 from autoshard.runtime.layout import ShardLayout, layout, to_dtensor
@@ -64,7 +65,7 @@ def _default_mesh(module: nn.Module, shape: tuple[int, ...] | None = None) -> De
 
 
 def _planned(module: nn.Module, given: Any, mesh: DeviceMesh | None, strategy: str, mixed_precision: MixedPrecision | None,
-             experts: str, state_shares: Any = None) -> tuple:
+             experts: str, state_shares: Any = None, compression: Compression | None = None) -> tuple:
     """The mesh, strategy, mixed precision and experts layout of a :class:`ShardLayout` (or of
     an ``autoshard.Plan``'s ``layout``) for the root, after sharding the blocks it lays out
     otherwise (every name checked first)."""
@@ -89,13 +90,14 @@ def _planned(module: nn.Module, given: Any, mesh: DeviceMesh | None, strategy: s
                          "plan again for this model.")
     for planned in dict.fromkeys((plan.strategy, plan.block_strategy or plan.strategy)):
         _state_fractions(state_shares, planned, plan.experts)  # refused before a block changes
+        _check_compression(compression, planned)
     if not dist.is_initialized():
         return None, plan.strategy, None, plan.experts  # world size 1: nothing to shard
     if plan.blocks:  # blocks first, then the root, as with FSDP2's fully_shard
         block_mesh = _default_mesh(module, tuple(plan.block_mesh_shape))
         for name in plan.blocks:
             shard(module.get_submodule(name), block_mesh, strategy=plan.block_strategy, mixed_precision=plan.mixed_precision,
-                  state_shares=state_shares)
+                  state_shares=state_shares, compression=compression)
     return _default_mesh(module, tuple(plan.mesh_shape)), plan.strategy, plan.mixed_precision, plan.experts
 
 
@@ -113,15 +115,15 @@ Owners = list[tuple[nn.Module, dict[str, ParamSpec]]]  # each module owning para
 
 
 def _describe(owners: Owners, layouts: Layouts, strategy: str, mesh: DeviceMesh,
-              mixed_precision: MixedPrecision | None) -> list[tuple]:
+              mixed_precision: MixedPrecision | None, compression: Compression | None = None) -> list[tuple]:
     """What must be equal on every rank: the call's settings, then every parameter's name,
     global shape, dtype, trainability and layout."""
-    items: list[tuple] = [("shard", strategy, tuple(mesh.shape), repr(mixed_precision))]
+    items: list[tuple] = [("shard", strategy, tuple(mesh.shape), repr(mixed_precision), repr(compression))]
     for mod, specs in owners:
         for name, spec in specs.items():
             param = mod._parameters[name]
             items.append((spec.name, tuple(param.shape), str(param.dtype), param.requires_grad, spec.dim0, spec.reshard,
-                          id(param) in layouts, spec.rows))
+                          id(param) in layouts, spec.rows, spec.quant_block))
     return items
 
 
@@ -139,6 +141,18 @@ def _state_fractions(state_shares: Any, strategy: str, experts: str) -> tuple | 
         raise UsageError("autoshard.shard: state_shares do not cut expert-parallel experts (experts='parallel' splits whole "
                          "experts evenly); use experts='gathered' or drop state_shares.")
     return None if len(set(fractions)) == 1 or world == 1 else fractions
+
+
+def _check_compression(compression: Any, strategy: str) -> None:
+    """Refuse a compression policy that is not one, or that the strategy has no gather for."""
+    if compression is None:
+        return
+    if not isinstance(compression, Compression):
+        raise UsageError(f"autoshard.shard: compression must be an autoshard.Compression, got {type(compression).__name__}; "
+                         "pass e.g. compression=autoshard.Compression(gather='int8').")
+    if compression.gather is not None and strategy == "replicate":
+        raise UsageError(f"autoshard.shard: strategy='replicate' gathers no parameters, so {compression!r} would change "
+                         "nothing; use strategy='full', 'grad_op' or 'hybrid', or drop compression.")
 
 
 def _check(
@@ -196,6 +210,7 @@ def shard(
     batch_shares: Any = None,
     state_shares: Any = None,
     experts: str = "gathered",
+    compression: Compression | None = None,
 ) -> nn.Module:
     """Shard ``module``'s parameters in place across the ranks of ``mesh`` and return it.
 
@@ -243,6 +258,11 @@ def shard(
             called as ``experts(hidden_states, top_k_index, top_k_weights)``) keeps
             ``E / world_size`` whole experts per rank, never gathered, and tokens travel to
             them by all-to-all (:mod:`autoshard.runtime.experts`); ``E`` must divide evenly.
+        compression: an :class:`autoshard.Compression`: ``gather="int8"`` gathers every
+            sharded floating-point parameter as int8 with block-wise scales, dequantized to
+            ``param_dtype`` (or its own dtype) after the gather; shards, gradients and the
+            optimizer state keep their dtype. Lossy, so off by default; a group of one rank
+            gathers nothing and compresses nothing. Not with ``"replicate"``.
 
     Build the optimizer after calling ``shard`` (as with FSDP2): it must see the sharded
     parameters. Parameters shared by several modules (tied weights) are sharded once.
@@ -257,10 +277,12 @@ def shard(
     if plan is not None:
         if state_shares is None:
             state_shares = getattr(plan, "state_shares", None)
-        mesh, strategy, mixed_precision, experts = _planned(module, plan, mesh, strategy, mixed_precision, experts, state_shares)
+        mesh, strategy, mixed_precision, experts = _planned(module, plan, mesh, strategy, mixed_precision, experts, state_shares,
+                                                            compression)
         if batch_shares is None:  # a plan for a mixed cluster chose them
             batch_shares = getattr(plan, "batch_shares", None)
     _check(module, mesh, strategy, reshard_after_forward, mixed_precision)
+    _check_compression(compression, strategy)
     fractions = _state_fractions(state_shares, strategy, experts)
     if experts not in expert_parallelism.EXPERTS:
         raise UsageError(f"autoshard.shard: experts must be one of {expert_parallelism.EXPERTS}, got {experts!r}.")
@@ -271,6 +293,8 @@ def shard(
                 "use torch.autocast for mixed precision in a single process.",
                 stacklevel=2,
             )
+        if compression is not None and compression.gather is not None:
+            warnings.warn("autoshard.shard: no process group, so nothing is gathered and compression is ignored.", stacklevel=2)
         _reclass(module)
         setattr(module, _SHARDED, True)
         if batch_shares is not None:
@@ -284,9 +308,9 @@ def shard(
     # Plan every new parameter, agree, build them all, then install: nothing is half-applied.
     found = expert_parallelism.plan(module, mesh) if experts == "parallel" else []
     skip = {id(p) for _, m in found for p in m.parameters(recurse=False)}
-    layouts, owners = _plan(module, mesh, strategy, reshard_after_forward, mixed_precision, skip, fractions)
+    layouts, owners = _plan(module, mesh, strategy, reshard_after_forward, mixed_precision, skip, fractions, compression)
     # Ranks that built different models would otherwise hang or train apart: fail alike first.
-    described = _describe(owners, layouts, strategy, mesh, mixed_precision) + expert_parallelism.describe(found)
+    described = _describe(owners, layouts, strategy, mesh, mixed_precision, compression) + expert_parallelism.describe(found)
     described.insert(0, ("state_shares", None if fractions is None else [str(f) for f in fractions]))
     check_same_on_all_ranks("autoshard.shard", described, mesh.device_type)
     expert_parallelism.install(found, mesh)
@@ -302,7 +326,7 @@ def shard(
 
 def _plan(
     module: nn.Module, mesh: DeviceMesh, strategy: str, reshard: bool | None, mixed_precision: MixedPrecision | None,
-    skip: set[int] = frozenset(), fractions: tuple | None = None,
+    skip: set[int] = frozenset(), fractions: tuple | None = None, compression: Compression | None = None,
 ) -> tuple[Layouts, Owners]:
     """(each new parameter's placements by id, each owning module's specs), changing nothing."""
     groups, split, replicated = layout(mesh, strategy)
@@ -334,9 +358,11 @@ def _plan(
             rows = split_rows(dim0, fractions) if splits and fractions else ()
             layouts[id(param)] = (param, split if splits else replicated, rows)
             param_dtype, reduce_dtype = dtypes_for(param, mixed_precision)
+            # Only where a gather moves bytes: a group of one rank gathers nothing.
+            quant_block = gather_block_for(param, compression) if splits and groups["world_size"] > 1 else 0
             specs[name] = ParamSpec(
                 dim0=dim0, reshard=reshard if splits else False, name=fqn, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                rows=rows, **groups
+                rows=rows, quant_block=quant_block, **groups
             )
         if specs:
             owners.append((mod, specs))

@@ -41,6 +41,8 @@ class ParamSpec:
     # State shares: every rank's rows, the same on every rank (sum: dim0); () for the even
     # Shard(0) layout (autoshard/runtime/state_shares.py).
     rows: tuple[int, ...] = ()
+    # Compression: elements per scale of an int8 gather (autoshard/runtime/quantize.py); 0: none.
+    quant_block: int = 0
     # The annotation op and its arguments before and after ``sink``, built once: a parameter
     # use then loads an op and two tuples of constants, which Dynamo traces much faster than
     # ten attributes.
@@ -53,7 +55,8 @@ class ParamSpec:
         # The ops' overloads themselves: calling their Python wrappers costs Dynamo a frame each.
         object.__setattr__(self, "op", ops.REPLICATE if self.dim0 < 0 else ops.UNSHARD)
         object.__setattr__(self, "head", (self.group_name, *shape, self.name))
-        rows = (self.rows,) if self.rows else ()  # left out when even: the op's default, the graphs unchanged
+        # Left out at their defaults (even rows, no compression): the op's defaults, the graphs unchanged.
+        rows = (self.rows or None, self.quant_block) if self.quant_block else (self.rows,) if self.rows else ()
         object.__setattr__(self, "tail", (self.param_dtype, self.reduce_dtype, self.replica_group, self.replicas, *rows))
 
 

@@ -1,0 +1,175 @@
+"""Quantized gathers (autoshard.Compression(gather="int8")): exact against a single process whose
+weights are quantized the same way, int8 on the wire, and refused when asked wrongly."""
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import autoshard
+from autoshard._compat import c10d
+from autoshard.runtime.errors import UsageError, UsageTypeError
+from autoshard.tools.launch import run_ranks
+
+from fake_pg import compile_step
+from models import GLOBAL_BATCH, batch, build
+
+BLOCK = 24  # blocks that cross rows and end short, so the layout is tested, not only the arithmetic
+TOL = 1e-6
+STEPS = 3
+
+
+def reference_qdq(full: torch.Tensor, world: int, block: int) -> torch.Tensor:
+    """``full`` as every rank sees it after an int8 gather, written plainly: each rank's
+    ``Shard(0)`` rows (padded with zero rows to ``ceil(dim0 / world)``) flattened and cut into
+    blocks of ``block`` elements (the last one short); per block, scale = max |x| / 127 and
+    x -> round(x / scale) as int8, times scale."""
+    dim0 = full.shape[0]
+    chunk = -(-dim0 // world)
+    padded = torch.cat([full, full.new_zeros(chunk * world - dim0, *full.shape[1:])])
+    ranks = []
+    for r in range(world):
+        pieces = []
+        for x in padded[r * chunk:(r + 1) * chunk].reshape(-1).split(block):
+            scale = x.abs().max() / 127
+            q = torch.round(x / scale).clamp(-127, 127) if scale > 0 else torch.zeros_like(x)
+            pieces.append(q.to(torch.int8).float() * scale)
+        ranks.append(torch.cat(pieces).view(chunk, *full.shape[1:]))
+    return torch.cat(ranks)[:dim0]
+
+
+def _parity(name: str, mode: str) -> tuple[float, float]:
+    """On each rank: train ``name`` sharded with int8 gathers on this rank's slice, and, each
+    step, a single-process copy on the whole batch whose weights are the sharded model's,
+    quantized by :func:`reference_qdq`; the largest loss and gradient differences."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    model = build(name)
+    reference = copy.deepcopy(model)
+    autoshard.shard(model, compression=autoshard.Compression(gather="int8", block=BLOCK))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    run = model if mode == "uncompiled" else torch.compile(model, backend="autoshard", options={"compiler": mode})
+    per_rank = GLOBAL_BATCH // world
+    loss_error = grad_error = 0.0
+    for step in range(STEPS):
+        x, y = batch(name, step)
+        loss = run(x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank])
+        loss.backward()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        with torch.no_grad():  # the weights every rank computed with
+            for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+                full = autoshard.full_tensor(p)
+                q.copy_(reference_qdq(full, world, BLOCK) if full.dim() > 0 else full)
+        reference.zero_grad()
+        expected = reference(x, y)
+        expected.backward()
+        loss_error = max(loss_error, abs(total.item() / world - expected.item()))
+        for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+            grad_error = max(grad_error, (autoshard.full_tensor(p.grad) - q.grad).abs().max().item())
+        optimizer.step()
+        optimizer.zero_grad()
+    return loss_error, grad_error
+
+
+def _all(configs: list[tuple[str, str]]) -> dict[tuple[str, str], tuple[float, float]]:
+    return {config: _parity(*config) for config in configs}
+
+
+PARITY = {2: [(m, mode) for m in ("gpt", "uneven") for mode in ("uncompiled", "aot_eager")],
+          4: [("gpt", "aot_eager"), ("uneven", "aot_eager")]}
+
+
+@functools.cache
+def _errors(world_size: int) -> list[dict]:
+    return run_ranks(world_size, _all, PARITY[world_size])
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("world_size", [2, 4])  # 4 ranks: ~12 s
+def test_int8_gathers_match_one_process_with_the_same_quantized_weights(world_size):
+    for errors in _errors(world_size):
+        bad = {config: e for config, e in errors.items() if max(e) > TOL}
+        assert not bad, f"(loss error, gradient error) above {TOL}: {bad}"
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+@pytest.mark.inductor
+def test_int8_gathers_match_under_inductor():
+    for errors in run_ranks(2, _all, [("mlp", "inductor")]):
+        assert max(errors[("mlp", "inductor")]) <= TOL, errors
+
+
+def test_the_packed_shard_round_trips_as_the_reference_quantizes():
+    """The one function behind every quantized gather, against the plain reference on one rank."""
+    from autoshard.runtime.quantize import packed_numel, quantize, quantize_dequantize
+
+    torch.manual_seed(0)
+    x = torch.randn(7, 5) * torch.tensor([1.0, 10.0, 0.0, 1e-3, 3.0])  # a zero column: some blocks all zero
+    x[3] = 0.0
+    assert quantize(x, 8).dtype == torch.int8 and quantize(x, 8).numel() == packed_numel(35, 8) == 35 + 4 * 5
+    assert torch.equal(quantize_dequantize(x, 8), reference_qdq(x, 1, 8))
+    assert (quantize_dequantize(x, 8) - x).abs().max() <= x.abs().max() / 127 / 2 * 1.0001
+
+
+# On the wire (fake process group, 4 ranks) -----------------------------------------------------
+
+def _gathers(step) -> list[torch.Tensor]:
+    gathers = (c10d.all_gather_into_tensor.default, c10d.all_gather_into_tensor_out.default)
+    return [n.meta["val"] for side in ("forward", "backward") for gm in step.graphs[side]
+            for n in gm.graph.nodes if n.op == "call_function" and n.target in gathers]
+
+
+def _bytes(values: list[torch.Tensor]) -> int:
+    return sum(v.numel() * v.element_size() for v in values)
+
+
+@pytest.mark.parametrize("mixed_precision", [None, autoshard.MixedPrecision(param_dtype=torch.bfloat16)])
+def test_lowered_gathers_move_int8_and_at_most_0_3x_the_bytes(mixed_precision):
+    """Every gather of the compiled step moves int8 (values and scales in one collective per
+    bucket) and the step gathers at most 0.3x the float32 bytes; the model still computes in
+    ``param_dtype``."""
+    plain = _gathers(compile_step("gpt", world_size=4))
+    step = compile_step("gpt", world_size=4, mixed_precision=mixed_precision, compression=autoshard.Compression(gather="int8"))
+    quantized = _gathers(step)
+    assert quantized and all(v.dtype == torch.int8 for v in quantized)
+    assert _bytes(quantized) <= 0.3 * _bytes(plain), (_bytes(quantized), _bytes(plain))
+    dequantized = [n for n in step.forward.graph.nodes if n.target is torch.ops.autoshard.dequantize_blocks.default]
+    assert dequantized and {n.meta["val"].dtype for n in dequantized} == {mixed_precision.param_dtype if mixed_precision
+                                                                          else torch.float32}
+
+
+def test_compression_is_off_by_default_and_a_group_of_one_gathers_as_it_is():
+    assert autoshard.Compression().gather is None
+    step = compile_step("mlp", world_size=1, compression=autoshard.Compression(gather="int8"))
+    assert not [n for n in step.forward.graph.nodes if "quantize_blocks" in str(n.target)]
+
+
+# Refused, with nothing changed -----------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs, error", [
+    ({"gather": "int4"}, UsageError), ({"gather": "fp8"}, UsageError), ({"gather": torch.int8}, UsageError),
+    ({"gather": "int8", "block": 4}, UsageError), ({"gather": "int8", "block": 0}, UsageError),
+    ({"gather": "int8", "block": 256.0}, UsageTypeError), ({"gather": "int8", "block": True}, UsageTypeError),
+])
+def test_bad_policies_raise_typed_errors(kwargs, error):
+    with pytest.raises(error, match="autoshard.Compression"):
+        autoshard.Compression(**kwargs)
+
+
+@pytest.mark.parametrize("shard_kwargs, message", [
+    ({"compression": "int8"}, "must be an autoshard.Compression"),
+    ({"compression": {"gather": "int8"}}, "must be an autoshard.Compression"),
+    ({"compression": autoshard.Compression(gather="int8"), "strategy": "replicate"}, "gathers no parameters"),
+])
+def test_shard_refuses_a_bad_compression_and_changes_nothing(shard_kwargs, message):
+    model = nn.Linear(4, 4)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(UsageError, match=message):
+        autoshard.shard(model, **shard_kwargs)
+    assert not autoshard.is_sharded(model) and type(model) is nn.Linear
+    assert all(torch.equal(p, before[n]) and type(p) is nn.Parameter for n, p in model.named_parameters())
