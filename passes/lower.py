@@ -8,7 +8,7 @@ from torch import fx
 
 from autoshard._compat import c10d, must_recompute
 from autoshard.runtime.ops import chunk_rows
-from autoshard.runtime.quantize import DEQUANTIZE, QUANTIZE
+from autoshard.runtime.quantize import DEQUANTIZE, DEQUANTIZE_MEAN, QUANTIZE, QUANTIZE_CHUNKS, packed_numel
 
 from .graph_utils import PARAMS, Replacer, arg, call, is_op, is_view, named_args, positions, val
 from .keep import KEPT_BLOCKS, extra_blocks, kept_for_backward
@@ -118,10 +118,25 @@ def _lower_unshard(graph: fx.Graph, node: fx.Node) -> tuple[fx.Node, list[fx.Nod
     return full, [n for n in dict.fromkeys((cast, padded, *moved, gathered, *joined, full)) if n is not shard]
 
 
+def _exchange_quantized(graph: fx.Graph, padded: fx.Node, world: int, group: str, name: str, block: int) -> fx.Node:
+    """A quantized reduction of the padded gradient ``[world * chunk, ...]`` (ZeRO++'s qgZ):
+    quantize_chunks -> all_to_all_single of int8 -> wait -> dequantize_mean, this rank's
+    ``[chunk, ...]`` averaged in float32."""
+    shape = list(val(padded).shape)
+    chunk = [shape[0] // world, *shape[1:]]
+    sizes = [packed_numel(val(padded).numel() // world, block)] * world
+    packed = call(graph, QUANTIZE_CHUNKS, padded, world, block)  # int8 [world * sizes[0]]
+    exchange = call(graph, c10d.all_to_all_single.default, packed, sizes, sizes, group)
+    exchange.meta[PARAMS] = (name,)
+    wait = call(graph, c10d.wait_tensor.default, exchange)
+    return call(graph, DEQUANTIZE_MEAN, wait, world, block, chunk)
+
+
 def _lower_reduce_grad(graph: fx.Graph, node: fx.Node) -> fx.Node:
     a = named_args(node)
     group, world, name = a["group_name"], a["world_size"], a["name"]
-    grad = _cast(graph, a["grad"], a["reduce_dtype"])
+    block = a.get("reduce_block", 0) if world > 1 else 0
+    grad = a["grad"] if block else _cast(graph, a["grad"], a["reduce_dtype"])  # quantized from the gradient's own
     shared = _shared_rows(a.get("rows"))
     uneven = world > 1 and (shared or _uneven(val(grad).shape[0], world))
     if world > 1:
@@ -129,9 +144,12 @@ def _lower_reduce_grad(graph: fx.Graph, node: fx.Node) -> fx.Node:
             padded = _spread_rows(graph, grad, list(a["rows"]))
         else:
             padded = _pad_rows(graph, grad, chunk_rows(val(grad).shape[0], world) * world)
-        reduce = call(graph, c10d.reduce_scatter_tensor.default, padded, "avg", world, group)
-        reduce.meta[PARAMS] = (name,)
-        grad = call(graph, c10d.wait_tensor.default, reduce)
+        if block:
+            grad = _exchange_quantized(graph, padded, world, group, name, block)
+        else:
+            reduce = call(graph, c10d.reduce_scatter_tensor.default, padded, "avg", world, group)
+            reduce.meta[PARAMS] = (name,)
+            grad = call(graph, c10d.wait_tensor.default, reduce)
     if a["replicas"] > 1:  # on the padded shard: the same shape on every rank
         grad = _all_reduce(graph, grad, a["replica_group"], name)
     return _cast(graph, _take_rows(graph, grad, a["shard_rows"], shard=uneven), a["out_dtype"])
@@ -168,7 +186,10 @@ def lower_annotations(gm: fx.GraphModule, reshard_after_forward: bool | None = N
     all_gather_into_tensor of int8 -> wait_tensor -> dequantize_blocks to ``param_dtype`` ->
     slice, no cast; the gradient path is unchanged, straight through), ``reduce_grad``
     becomes [cast] -> pad -> reduce_scatter_tensor(avg) -> wait_tensor
-    [-> all_reduce(avg) over the replica group -> wait_tensor] -> slice [-> cast],
+    [-> all_reduce(avg) over the replica group -> wait_tensor] -> slice [-> cast] (with the
+    op's ``reduce_block``, compression: pad -> quantize_chunks -> all_to_all_single of int8 ->
+    wait_tensor -> dequantize_mean, float32, no cast before; bucketing leaves these
+    all-to-alls one per parameter),
     Under uneven state shares (the ops' ``rows``) every shard is padded to ``max(rows)``: the
     gather's result is split and its real rows concatenated, and the gradient is split by
     ``rows``, each piece padded, concatenated and reduce-scattered, then cut to this rank's

@@ -30,6 +30,11 @@ Arguments shared by the ops:
 * ``quant_block``: 0 normally. Under ``autoshard.Compression(gather="int8")``, the elements per
   scale: the padded shard is gathered as int8 blocks and dequantized to ``param_dtype`` (or its
   own dtype) after the gather (:mod:`autoshard.runtime.quantize`); the backward is unchanged.
+* ``reduce_block``: 0 normally. Under ``autoshard.Compression(reduce="int8")``, the elements
+  per scale of the gradient's reduction: each destination rank's chunk of the padded gradient
+  is quantized to int8 blocks, the chunks exchanged by one all-to-all, and the received ones
+  dequantized, summed and averaged in float32 (``reduce_dtype`` is then not used); hybrid's
+  replica average stays a float all-reduce.
 """
 from __future__ import annotations
 
@@ -128,7 +133,7 @@ def _average_over_replicas(t: torch.Tensor, replica_group: str, replicas: int) -
 def unshard(  # one line per group of arguments (see the module docstring)
     shard: torch.Tensor, group_name: str, world_size: int, dim0: int, reshard: Optional[bool], name: str,
     sink: Optional[torch.Tensor], param_dtype: Optional[torch.dtype], reduce_dtype: Optional[torch.dtype],
-    replica_group: str, replicas: int, rows: Optional[list[int]] = None, quant_block: int = 0,
+    replica_group: str, replicas: int, rows: Optional[list[int]] = None, quant_block: int = 0, reduce_block: int = 0,
 ) -> torch.Tensor:
     """All-gather ``shard`` (this rank's rows of a ``dim0``-row parameter), cast to
     ``param_dtype`` first (or, with ``quant_block``, quantized and dequantized to it after the
@@ -152,7 +157,7 @@ def unshard(  # one line per group of arguments (see the module docstring)
 
 @unshard.register_fake
 def _unshard_fake(shard, group_name, world_size, dim0, reshard, name, sink, param_dtype, reduce_dtype, replica_group, replicas,
-                  rows=None, quant_block=0):
+                  rows=None, quant_block=0, reduce_block=0):
     return new_empty(shard, (dim0, *shard.shape[1:]), param_dtype or shard.dtype)
 
 
@@ -160,20 +165,28 @@ def _unshard_fake(shard, group_name, world_size, dim0, reshard, name, sink, para
 def reduce_grad(
     grad: torch.Tensor, group_name: str, world_size: int, shard_rows: int, name: str,
     reduce_dtype: Optional[torch.dtype], out_dtype: torch.dtype,
-    replica_group: str, replicas: int, rows: Optional[list[int]] = None,
+    replica_group: str, replicas: int, rows: Optional[list[int]] = None, reduce_block: int = 0,
 ) -> torch.Tensor:
     """Reduce-scatter a full gradient in ``reduce_dtype``, averaged over the data-parallel
     ranks (``group_name``, then ``replica_group``), to this rank's ``shard_rows`` rows in
-    ``out_dtype``; ``rows``: cut by state shares."""
-    grad = _cast(grad, reduce_dtype)
+    ``out_dtype``; ``rows``: cut by state shares. With ``reduce_block``: by an all-to-all of
+    int8 chunks, averaged in float32 (:mod:`autoshard.runtime.quantize`)."""
+    grad = grad if reduce_block else _cast(grad, reduce_dtype)
     padded = (spread_rows(grad, rows) if rows else pad_rows(grad, chunk_rows(grad.shape[0], world_size) * world_size)).contiguous()
-    reduced = c10d.wait_tensor(c10d.reduce_scatter_tensor(padded, "avg", world_size, group_name))
+    if reduce_block:
+        packed = quantize.quantize_chunks(padded, world_size, reduce_block)
+        sizes = [packed.numel() // world_size] * world_size
+        received = c10d.wait_tensor(c10d.all_to_all_single(packed, sizes, sizes, group_name))
+        reduced = quantize.dequantize_mean(received, world_size, reduce_block, [padded.shape[0] // world_size, *padded.shape[1:]])
+    else:
+        reduced = c10d.wait_tensor(c10d.reduce_scatter_tensor(padded, "avg", world_size, group_name))
     # Over the replicas on the padded shard, as the lowered graph does: the same shape on every rank.
     return _new(_average_over_replicas(reduced, replica_group, replicas)[:shard_rows], out_dtype)
 
 
 @reduce_grad.register_fake
-def _reduce_grad_fake(grad, group_name, world_size, shard_rows, name, reduce_dtype, out_dtype, replica_group, replicas, rows=None):
+def _reduce_grad_fake(grad, group_name, world_size, shard_rows, name, reduce_dtype, out_dtype, replica_group, replicas, rows=None,
+                      reduce_block=0):
     return new_empty(grad, (shard_rows, *grad.shape[1:]), out_dtype)
 
 

@@ -1,4 +1,5 @@
-"""Block-wise int8 quantization of a shard for its all-gather, and dequantization after it.
+"""Block-wise int8 quantization of a shard for its all-gather, and dequantization after it;
+the same packing for the chunks of a gradient's quantized reduction (all-to-all).
 
 A shard of ``n`` elements (flattened, padded rows included) is cut into ``nb = ceil(n / block)``
 blocks of ``block`` elements (the last one may be short); each block's scale is its absolute
@@ -11,6 +12,12 @@ model computes in. A block of zeros has scale 0 and dequantizes to zeros.
 Both are opaque ops (``autoshard::quantize_blocks``, ``autoshard::dequantize_blocks``): the
 lowering puts them around the gather, and every inner compiler runs these very kernels, so a
 compiled step dequantizes exactly as the eager op and :func:`quantize_dequantize` do.
+
+A quantized reduction (ZeRO++'s qgZ) packs each of the ``world`` chunks of a padded gradient
+(``[world * chunk, ...]``, chunk r: what rank r receives) as above, each on its own
+(``autoshard::quantize_chunks``: ``world`` packed chunks, rank after rank), exchanges them with
+one all-to-all, and ``autoshard::dequantize_mean`` dequantizes the ``world`` received chunks to
+float32, sums them over the source ranks in float32 (rank 0 first) and divides by ``world``.
 """
 from __future__ import annotations
 
@@ -32,16 +39,21 @@ def packed_numel(numel: int, block: int) -> int:
     return numel + SCALE_BYTES * blocks_of(numel, block)
 
 
+def quantize_rows(x: torch.Tensor, block: int) -> torch.Tensor:
+    """Each row of ``x`` (``[rows, n]``) packed on its own as int8 ``[rows, n + 4 * nb]``."""
+    flat = x.float()  # [rows, n]
+    rows, n = flat.shape
+    nb = blocks_of(n, block)
+    blocks = F.pad(flat, [0, nb * block - n]).view(rows, nb, block)  # [rows, nb, block], the last zero-filled
+    scale = blocks.abs().amax(dim=2) / QMAX  # [rows, nb]
+    safe = torch.where(scale == 0, torch.ones_like(scale), scale)
+    values = torch.round(blocks / safe[..., None]).clamp_(-QMAX, QMAX).to(torch.int8)  # [rows, nb, block]
+    return torch.cat([values.view(rows, -1)[:, :n], scale.view(torch.int8)], dim=1)  # [rows, n + 4 * nb]
+
+
 def quantize(x: torch.Tensor, block: int) -> torch.Tensor:
     """``x`` (any shape, ``n`` elements) packed as int8 ``[n + 4 * nb]``."""
-    flat = x.reshape(-1).float()  # [n]
-    n = flat.numel()
-    nb = blocks_of(n, block)
-    blocks = F.pad(flat, [0, nb * block - n]).view(nb, block)  # [nb, block], the last zero-filled
-    scale = blocks.abs().amax(dim=1) / QMAX  # [nb]
-    safe = torch.where(scale == 0, torch.ones_like(scale), scale)
-    values = torch.round(blocks / safe[:, None]).clamp_(-QMAX, QMAX).to(torch.int8)  # [nb, block]
-    return torch.cat([values.view(-1)[:n], scale.view(torch.int8)])  # [n + 4 * nb]
+    return quantize_rows(x.reshape(1, -1), block).view(-1)
 
 
 def dequantize(packed: torch.Tensor, numel: int, block: int, dtype: torch.dtype) -> torch.Tensor:
@@ -87,4 +99,47 @@ def _(gathered, world_size, block, shape, dtype):
     return new_empty(gathered, (world_size * shape[0], *shape[1:]), dtype)
 
 
+def quantize_chunks(x: torch.Tensor, world_size: int, block: int) -> torch.Tensor:
+    """A padded gradient ``[world_size * chunk, ...]`` as ``world_size`` packed chunks, rank
+    after rank (1-D int8, each chunk ``packed_numel(x.numel() // world_size, block)``)."""
+    return quantize_rows(x.reshape(world_size, -1), block).view(-1)
+
+
+def dequantize_mean(received: torch.Tensor, world_size: int, block: int, shape: list[int]) -> torch.Tensor:
+    """The ``world_size`` packed chunks one rank received (1-D int8, rank after rank),
+    dequantized to float32, summed over the ranks in float32 and divided by ``world_size``:
+    this rank's averaged chunk, float32 ``shape``."""
+    numel = 1
+    for s in shape:
+        numel *= s
+    chunks = dequantize(received.view(world_size, -1), numel, block, torch.float32)  # [world, numel]
+    total = chunks[0].clone()
+    for r in range(1, world_size):
+        total += chunks[r]
+    return total.div_(world_size).view(shape)
+
+
+@torch.library.custom_op("autoshard::quantize_chunks", mutates_args=())
+def quantize_chunks_op(x: torch.Tensor, world_size: int, block: int) -> torch.Tensor:
+    """:func:`quantize_chunks`: a padded gradient packed for its all-to-all (1-D int8)."""
+    return quantize_chunks(x, world_size, block)
+
+
+@quantize_chunks_op.register_fake
+def _(x, world_size, block):
+    return new_empty(x, (world_size * packed_numel(x.numel() // world_size, block),), torch.int8)
+
+
+@torch.library.custom_op("autoshard::dequantize_mean", mutates_args=())
+def dequantize_mean_op(received: torch.Tensor, world_size: int, block: int, shape: list[int]) -> torch.Tensor:
+    """:func:`dequantize_mean`: the received chunks as this rank's averaged float32 chunk."""
+    return dequantize_mean(received, world_size, block, shape)
+
+
+@dequantize_mean_op.register_fake
+def _(received, world_size, block, shape):
+    return new_empty(received, tuple(shape), torch.float32)
+
+
+QUANTIZE_CHUNKS, DEQUANTIZE_MEAN = torch.ops.autoshard.quantize_chunks.default, torch.ops.autoshard.dequantize_mean.default
 QUANTIZE, DEQUANTIZE = torch.ops.autoshard.quantize_blocks.default, torch.ops.autoshard.dequantize_blocks.default

@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor, Placement
 from autoshard.runtime import experts as expert_parallelism
 from autoshard.runtime import grad_sync, leaves
 from autoshard.runtime.batch_shares import normalize, note_uneven_shares, set_batch_shares
-from autoshard.runtime.compression import Compression, gather_block_for
+from autoshard.runtime.compression import Compression, gather_block_for, reduce_block_for
 from autoshard.runtime.errors import UsageError
 from autoshard.runtime.fail_together import check_same_on_all_ranks
 from autoshard.runtime.layout import ShardLayout, layout, to_dtensor
@@ -123,7 +123,7 @@ def _describe(owners: Owners, layouts: Layouts, strategy: str, mesh: DeviceMesh,
         for name, spec in specs.items():
             param = mod._parameters[name]
             items.append((spec.name, tuple(param.shape), str(param.dtype), param.requires_grad, spec.dim0, spec.reshard,
-                          id(param) in layouts, spec.rows, spec.quant_block))
+                          id(param) in layouts, spec.rows, spec.quant_block, spec.reduce_block))
     return items
 
 
@@ -144,15 +144,16 @@ def _state_fractions(state_shares: Any, strategy: str, experts: str) -> tuple | 
 
 
 def _check_compression(compression: Any, strategy: str) -> None:
-    """Refuse a compression policy that is not one, or that the strategy has no gather for."""
+    """Refuse a compression policy that is not one, or that the strategy has no gather or
+    reduce-scatter for."""
     if compression is None:
         return
     if not isinstance(compression, Compression):
         raise UsageError(f"autoshard.shard: compression must be an autoshard.Compression, got {type(compression).__name__}; "
                          "pass e.g. compression=autoshard.Compression(gather='int8').")
-    if compression.gather is not None and strategy == "replicate":
-        raise UsageError(f"autoshard.shard: strategy='replicate' gathers no parameters, so {compression!r} would change "
-                         "nothing; use strategy='full', 'grad_op' or 'hybrid', or drop compression.")
+    if (compression.gather is not None or compression.reduce is not None) and strategy == "replicate":
+        raise UsageError(f"autoshard.shard: strategy='replicate' gathers no parameters and reduce-scatters no gradients, so "
+                         f"{compression!r} would change nothing; use strategy='full', 'grad_op' or 'hybrid', or drop compression.")
 
 
 def _check(
@@ -261,8 +262,10 @@ def shard(
         compression: an :class:`autoshard.Compression`: ``gather="int8"`` gathers every
             sharded floating-point parameter as int8 with block-wise scales, dequantized to
             ``param_dtype`` (or its own dtype) after the gather; shards, gradients and the
-            optimizer state keep their dtype. Lossy, so off by default; a group of one rank
-            gathers nothing and compresses nothing. Not with ``"replicate"``.
+            optimizer state keep their dtype; ``reduce="int8"`` reduces their gradients by an
+            all-to-all of int8 chunks, averaged in float32 on the receiving rank. Lossy, so
+            off by default; a group of one rank gathers nothing and compresses nothing. Not
+            with ``"replicate"``.
 
     Build the optimizer after calling ``shard`` (as with FSDP2): it must see the sharded
     parameters. Parameters shared by several modules (tied weights) are sharded once.
@@ -293,8 +296,9 @@ def shard(
                 "use torch.autocast for mixed precision in a single process.",
                 stacklevel=2,
             )
-        if compression is not None and compression.gather is not None:
-            warnings.warn("autoshard.shard: no process group, so nothing is gathered and compression is ignored.", stacklevel=2)
+        if compression is not None and (compression.gather is not None or compression.reduce is not None):
+            warnings.warn("autoshard.shard: no process group, so nothing is gathered or reduced and compression is ignored.",
+                          stacklevel=2)
         _reclass(module)
         setattr(module, _SHARDED, True)
         if batch_shares is not None:
@@ -360,9 +364,10 @@ def _plan(
             param_dtype, reduce_dtype = dtypes_for(param, mixed_precision)
             # Only where a gather moves bytes: a group of one rank gathers nothing.
             quant_block = gather_block_for(param, compression) if splits and groups["world_size"] > 1 else 0
+            reduce_block = reduce_block_for(param, compression) if splits and groups["world_size"] > 1 else 0
             specs[name] = ParamSpec(
                 dim0=dim0, reshard=reshard if splits else False, name=fqn, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                rows=rows, quant_block=quant_block, **groups
+                rows=rows, quant_block=quant_block, reduce_block=reduce_block, **groups
             )
         if specs:
             owners.append((mod, specs))

@@ -43,6 +43,8 @@ class ParamSpec:
     rows: tuple[int, ...] = ()
     # Compression: elements per scale of an int8 gather (autoshard/runtime/quantize.py); 0: none.
     quant_block: int = 0
+    # Compression: elements per scale of an int8 gradient reduction (all-to-all); 0: none.
+    reduce_block: int = 0
     # The annotation op and its arguments before and after ``sink``, built once: a parameter
     # use then loads an op and two tuples of constants, which Dynamo traces much faster than
     # ten attributes.
@@ -56,7 +58,8 @@ class ParamSpec:
         object.__setattr__(self, "op", ops.REPLICATE if self.dim0 < 0 else ops.UNSHARD)
         object.__setattr__(self, "head", (self.group_name, *shape, self.name))
         # Left out at their defaults (even rows, no compression): the op's defaults, the graphs unchanged.
-        rows = (self.rows or None, self.quant_block) if self.quant_block else (self.rows,) if self.rows else ()
+        compressed = (self.rows or None, self.quant_block, self.reduce_block)
+        rows = compressed[:3 if self.reduce_block else 2] if self.quant_block or self.reduce_block else (self.rows,) if self.rows else ()
         object.__setattr__(self, "tail", (self.param_dtype, self.reduce_dtype, self.replica_group, self.replicas, *rows))
 
 
