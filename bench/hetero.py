@@ -66,9 +66,9 @@ def _model() -> nn.Module:
     return _Reused()
 
 
-def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _batch(step: int, samples: int = GLOBAL_BATCH) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(step)
-    return torch.randn(GLOBAL_BATCH, WIDTH, generator=g), torch.randn(GLOBAL_BATCH, 1, generator=g)
+    return torch.randn(samples, WIDTH, generator=g), torch.randn(samples, 1, generator=g)
 
 
 def _cores() -> list[int]:

@@ -160,7 +160,10 @@ def test_the_next_split_moves_part_of_the_way_to_the_measured_speeds_and_ignores
 
     # Rank 0 took 8 samples in 2 s, rank 1 8 in 1 s: speeds 4 and 8, target 16/3 and 32/3.
     assert next_split([8, 8], [2.0, 1.0], damping=1.0) == [5, 11]
-    assert next_split([8, 8], [2.0, 1.0], damping=0.5) == [7, 9]  # halfway: 6.67 -> 7, 9.33 -> 9
+    assert next_split([8, 8], [2.0, 1.0], damping=0.5, jump=None) == [7, 9]  # halfway: 6.67 -> 7, 9.33 -> 9
+    # Busy times 2x apart are a change, not noise: all the way at once, damping or not.
+    assert next_split([8, 8], [2.0, 1.0], damping=0.5) == [5, 11]
+    assert next_split([16, 16], [1.2, 1.0], damping=0.5) == [15, 17]  # within 1.25x: damped (target 14.5, halfway 15.3 -> 15)
     assert next_split([8, 8], [1.0, 1.02], damping=0.5, min_change=1) is None  # 2% noise: no change
     assert next_split([5, 11], [1.25, 1.375]) is None  # at the target already (speeds 4 and 8)
     sizes = next_split([3, 3, 3, 7], [9.0, 1.0, 1.0, 1.0], damping=1.0)
@@ -205,3 +208,16 @@ def test_adaptive_shares_move_samples_off_the_slow_rank_and_training_stays_exact
         optimizer.step()
         optimizer.zero_grad()
     assert max((ranks[0]["params"][k] - v).abs().max().item() for k, v in reference.state_dict().items()) <= 1e-5
+
+
+@pytest.mark.parametrize("bad, what", [
+    (dict(global_batch=3), "global_batch"), (dict(damping=0.0), "damping"), (dict(damping=1.5), "damping"),
+    (dict(min_change=0), "min_change"), (dict(jump=1.0), "jump"), (dict(jump=True), "jump"),
+])
+def test_adaptive_settings_out_of_range_are_refused_naming_the_setting(bad: dict, what: str) -> None:
+    from autoshard.runtime.adaptive_shares import check
+
+    settings = dict(global_batch=8, world=2, damping=0.5, min_change=1, jump=1.25) | bad
+    with pytest.raises(autoshard.UsageError, match=rf"autoshard\.Telemetry: .*{what}"):
+        check(**settings)
+    check(**(settings | dict(global_batch=8, damping=0.5, min_change=1, jump=None)))  # the others are fine

@@ -75,13 +75,13 @@ class Telemetry:
             with ``step_s`` and ``overlap``), written beside the measurements.
         adapt_shares: re-split the global batch of ``global_batch`` samples at every exchange
             from each rank's measured busy time (:mod:`autoshard.runtime.adaptive_shares`;
-            ``damping``, ``min_change``); feed each rank ``autoshard.split_batch(batch, model)``.
+            ``damping``, ``min_change``, ``jump``); feed each rank ``autoshard.split_batch(batch, model)``.
     """
 
     def __init__(self, model: nn.Module, *, path: str | os.PathLike[str] | None = None, tensorboard: str | None = None,
                  every: int = 10, price_per_hour: float | list[float] | None = None, power_w: float | list[float] | None = None,
                  prediction: Any = None, adapt_shares: bool = False, global_batch: int | None = None,
-                 damping: float = 0.5, min_change: int = 1) -> None:
+                 damping: float = 0.5, min_change: int = 1, jump: float | None = 1.25) -> None:
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise UsageError(f"autoshard.Telemetry: every must be a whole number >= 1, got {every!r}.")
         self.world = dist.get_world_size() if dist.is_initialized() else 1
@@ -94,10 +94,10 @@ class Telemetry:
         self.every, self.steps, self.pending, self.rows = every, 0, [], []
         self.waits_seen = 0  # timed waits in the last step (0: the graphs were compiled without the option)
         self.prediction = _prediction(prediction)
-        self.model, self.damping, self.min_change = model, damping, min_change
+        self.model, self.damping, self.min_change, self.jump = model, damping, min_change, jump
         self.sizes: list[int] | None = None  # the adaptive split, samples per rank (None: shares not adapted)
         if adapt_shares:
-            adaptive_shares.check(global_batch, self.world, damping, min_change)
+            adaptive_shares.check(global_batch, self.world, damping, min_change, jump)
             current = shares_of(model)
             self.sizes = batch_sizes(current, global_batch) if current else batch_sizes([1] * self.world, global_batch)
             set_batch_shares(model, self.sizes)
@@ -170,7 +170,7 @@ class Telemetry:
     def _adapt(self, window: list[dict[str, Any]]) -> None:
         """The next split, decided alike on every rank from the window every rank holds."""
         busy = [statistics.median(busy_s(row["ranks"][r]) for row in window) for r in range(self.world)]
-        new = adaptive_shares.next_split(self.sizes, busy, damping=self.damping, min_change=self.min_change)
+        new = adaptive_shares.next_split(self.sizes, busy, damping=self.damping, min_change=self.min_change, jump=self.jump)
         if new is None:
             return
         self.sizes = new
