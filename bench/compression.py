@@ -1,17 +1,20 @@
-"""Quantized gathers on gloo ranks (CPU): bytes on the wire per step and step time of float32,
-bfloat16 and int8 parameter gathers, side by side in one run.
+"""Quantized gathers and reductions on gloo ranks (CPU): bytes on the wire per step and step
+time of float32, bfloat16 and int8 parameter gathers and of int8 gradient reductions, side by
+side in one run.
 
 On each world size it starts the ranks once and sets up the same GPT (same seed, same batches)
-three times: ``fp32`` (no policy), ``bf16`` (``MixedPrecision(param_dtype=bfloat16,
+once per policy: ``fp32`` (no policy), ``bf16`` (``MixedPrecision(param_dtype=bfloat16,
 reduce_dtype=float32)``: gathers and compute in bfloat16, reductions as fp32's) and ``int8``
 (``Compression(gather="int8", block=256)``: int8 gathers with one float32 scale per 256
-elements, dequantized to float32 after the gather). Their timed steps take turns, one step of
-each per round, so load that comes and goes slows all three alike. Bytes are read off the
+elements, dequantized to float32 after the gather) and ``int8-reduce``
+(``Compression(reduce="int8", block=256)``: float32 gathers, gradients reduced by an all-to-all
+of int8 chunks, averaged in float32 on the receiver). Their timed steps take turns, one step of
+each per round, so load that comes and goes slows them all alike. Bytes are read off the
 compiled forward and backward graphs (the cost model's ``collective_of``: a gather's output,
 a reduction's input, per rank); a step's time is the slowest rank's, the median over the steps.
 
     python bench/compression.py                       # GPT 4 x 512, seq 128, worlds 2 and 4
-    python bench/compression.py --world-sizes 2 --steps 4
+    python bench/compression.py --world-sizes 2 --steps 4 --policies fp32 int8-reduce
 """
 from __future__ import annotations
 
@@ -38,6 +41,7 @@ POLICIES = {
     "fp32": {},
     "bf16": {"mixed_precision": autoshard.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)},
     "int8": {"compression": autoshard.Compression(gather="int8", block=256)},
+    "int8-reduce": {"compression": autoshard.Compression(reduce="int8", block=256)},
 }
 
 
@@ -85,7 +89,7 @@ class Variant:
 
 def run_variants(args: argparse.Namespace) -> dict[str, dict]:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))  # ranks share the cores
-    variants = [Variant(name, args) for name in POLICIES]
+    variants = [Variant(name, args) for name in args.policies]
     gc.collect()
     gc.freeze()
     for step in range(args.warmup, args.warmup + args.steps):
@@ -107,17 +111,21 @@ def main() -> None:
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--steps", type=int, default=6, help="timed steps of each variant")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (compiles in the first)")
+    parser.add_argument("--policies", nargs="+", choices=list(POLICIES), default=list(POLICIES),
+                        help="which variants to run (the first is the baseline of the x columns)")
     args = parser.parse_args()
     params = sum(p.numel() for p in GPT(_config(args)).parameters())
     print(f"GPT {args.layers} layers x {args.embd}, {params / 1e6:.2f}M parameters, seq {args.seq}, batch {args.batch}/rank; "
           f"gloo on CPU, aot_eager, {args.steps} timed steps after {args.warmup}; bytes per rank per step (MiB)")
-    print(f"{'world':>5} {'gathers':>7} {'gather MiB':>10} {'x fp32':>7} {'reduce MiB':>10} {'step ms':>8} {'x fp32':>7} {'loss':>7}")
+    print(f"{'world':>5} {'policy':>11} {'gather MiB':>10} {'x base':>7} {'reduce MiB':>10} {'x base':>7} {'step ms':>8} "
+          f"{'x base':>7} {'loss':>7}")
     for world in args.world_sizes:
         rows = autoshard.launch.run_ranks(world, run_variants, args, timeout=None)[0]
-        base = rows["fp32"]
+        base = rows[args.policies[0]]
         for name, r in rows.items():
-            print(f"{world:>5} {name:>7} {r['gather'] / 2**20:>10.2f} {r['gather'] / base['gather']:>7.3f} "
-                  f"{r['reduce'] / 2**20:>10.2f} {r['step_s'] * 1e3:>8.1f} {r['step_s'] / base['step_s']:>7.3f} {r['loss']:>7.4f}")
+            print(f"{world:>5} {name:>11} {r['gather'] / 2**20:>10.2f} {r['gather'] / base['gather']:>7.3f} "
+                  f"{r['reduce'] / 2**20:>10.2f} {r['reduce'] / base['reduce']:>7.3f} {r['step_s'] * 1e3:>8.1f} "
+                  f"{r['step_s'] / base['step_s']:>7.3f} {r['loss']:>7.4f}")
 
 
 if __name__ == "__main__":
