@@ -62,6 +62,17 @@ def reference_reduce(grads: list[torch.Tensor], rows: list[int], block: int) -> 
     return torch.cat(out)
 
 
+def reference_gathered(full: torch.Tensor, rows: list[int], block: int) -> torch.Tensor:
+    """``full`` as every rank computes with it after an int8 gather: each rank's rows, padded to
+    ``max(rows)``, quantized and dequantized on their own (test_compression checks this layout)."""
+    widest, start, out = max(rows), 0, []
+    for n in rows:
+        mine = torch.cat([full[start:start + n], full.new_zeros(widest - n, *full.shape[1:])])
+        out.append(reference_chunk_qdq(mine, block)[:n])
+        start += n
+    return torch.cat(out)
+
+
 SHARES = (Fraction(3, 4), Fraction(1, 4))
 # How each layout shards: autoshard.shard's arguments, each parameter's rows per rank of its
 # group, and the groups of ranks a gradient is reduce-scattered in (the rest: replicas, averaged in float).
@@ -72,6 +83,8 @@ LAYOUTS = {
                lambda world: [list(range(i, i + world // 2)) for i in range(0, world, world // 2)]),
     "shares": (lambda world: {"state_shares": [3, 1]}, lambda dim0, world: list(split_rows(dim0, SHARES)),
                lambda world: [list(range(world))]),
+    # int8 gathers too: the reference computes with the weights quantized per shard.
+    "gather": (lambda world: {}, torch_chunk_rows, lambda world: [list(range(world))]),
 }
 
 
@@ -84,7 +97,8 @@ def _parity(name: str, mode: str, layout: str) -> tuple[float, float]:
     model = build(name)
     reference = copy.deepcopy(model)
     shard_kwargs, rows_of, groups_of = LAYOUTS[layout]
-    autoshard.shard(model, compression=autoshard.Compression(reduce="int8", block=BLOCK), **shard_kwargs(world))
+    gather = "int8" if layout == "gather" else None
+    autoshard.shard(model, compression=autoshard.Compression(gather=gather, reduce="int8", block=BLOCK), **shard_kwargs(world))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     run = model if mode == "uncompiled" else torch.compile(model, backend="autoshard", options={"compiler": mode})
     per_rank = GLOBAL_BATCH // world
@@ -94,7 +108,8 @@ def _parity(name: str, mode: str, layout: str) -> tuple[float, float]:
         run(x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank]).backward()
         with torch.no_grad():
             for p, q in zip(model.parameters(), reference.parameters(), strict=True):
-                q.copy_(autoshard.full_tensor(p))
+                full = autoshard.full_tensor(p)
+                q.copy_(reference_gathered(full, rows_of(full.shape[0], world), BLOCK) if gather and full.dim() > 0 else full)
         per_source = []  # every rank's full gradients, computed here
         for r in range(world):
             reference.zero_grad()
@@ -110,7 +125,7 @@ def _parity(name: str, mode: str, layout: str) -> tuple[float, float]:
                 expected = sum(reduced) / len(reduced)  # hybrid's replicas: a float average
             grad_error = max(grad_error, (autoshard.full_tensor(p.grad) - expected).abs().max().item())
             with torch.no_grad():
-                q.copy_(q - 0.05 * expected)
+                q.copy_(autoshard.full_tensor(p).detach() - 0.05 * expected)
         optimizer.step()
         optimizer.zero_grad()
         for p, q in zip(model.parameters(), reference.parameters(), strict=True):
@@ -122,10 +137,11 @@ def _all(configs: list[tuple[str, str, str]]) -> dict[tuple[str, str, str], tupl
     return {config: _parity(*config) for config in configs}
 
 
-# Padded shards (uneven), 1-d and 0-d parameters, a tied weight (gpt), uneven state shares, and,
+# Padded shards (uneven), 1-d and 0-d parameters, a tied weight (gpt), uneven state shares, int8
+# gathers as well, and,
 # at 4 ranks, hybrid sharding, whose reductions run in half the ranks before a float all-reduce.
 PARITY = {2: [("gpt", "aot_eager", "even"), ("uneven", "aot_eager", "even"), ("uneven", "uncompiled", "even"),
-              ("uneven", "aot_eager", "shares")],
+              ("uneven", "aot_eager", "shares"), ("uneven", "aot_eager", "gather")],
           4: [("gpt", "aot_eager", "even"), ("gpt", "aot_eager", "hybrid")]}
 
 
@@ -177,16 +193,19 @@ def _bytes(values: list[torch.Tensor]) -> int:
     return sum(v.numel() * v.element_size() for v in values)
 
 
-def test_lowered_reductions_are_int8_all_to_alls_of_at_most_0_3x_the_bytes():
+@pytest.mark.parametrize("gather", [None, "int8"])
+def test_lowered_reductions_are_int8_all_to_alls_of_at_most_0_3x_the_bytes(gather):
     """The backward reduces by int8 all-to-alls only (no float reduce-scatter left), at most
-    0.3x the float32 reduce-scatters' bytes; the gathers are untouched."""
+    0.3x the float32 reduce-scatters' bytes; the gathers are untouched, or int8 when asked too."""
     plain = _reductions(compile_step("gpt", world_size=4))
-    step = compile_step("gpt", world_size=4, compression=autoshard.Compression(reduce="int8"))
+    step = compile_step("gpt", world_size=4, compression=autoshard.Compression(gather=gather, reduce="int8"))
     quantized = _reductions(step)
     assert quantized and all(v.dtype == torch.int8 for v in quantized)
     assert plain and all(v.dtype == torch.float32 for v in plain)
     assert _bytes(quantized) <= 0.3 * _bytes(plain), (_bytes(quantized), _bytes(plain))
-    assert not [n for n in step.forward.graph.nodes if "quantize" in str(n.target)]
+    gathers = [n.meta["val"].dtype for gm in step.graphs["forward"] for n in gm.graph.nodes
+               if n.op == "call_function" and n.target in (c10d.all_gather_into_tensor.default, c10d.all_gather_into_tensor_out.default)]
+    assert gathers and set(gathers) == {torch.int8 if gather else torch.float32}
 
 
 def test_a_group_of_one_reduces_nothing_and_compresses_nothing():
