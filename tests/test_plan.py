@@ -294,3 +294,34 @@ def test_shard_takes_a_plans_layout_and_refuses_anything_else():
         assert autoshard.is_sharded(autoshard.shard(build("mlp"), plan=layout))
     with pytest.raises(UsageError, match="plan= takes an autoshard.Plan or a ShardLayout, got dict"):
         autoshard.shard(build("mlp"), plan={"strategy": "full"})
+
+
+def test_int8_gathers_are_planned_only_where_allowed_and_the_summary_says_what_they_save():
+    """Lossy choices only where a user lists them: the int8 precisions gather int8 (never for
+    replicate, which gathers nothing). Over a network 1000x slower than an H100 cluster's, with a
+    budget full shard in float32 does not fit, the plan gathers int8, says so with the bytes it
+    sends, and shard(plan=...) applies the compression."""
+    from autoshard.cost.profiles import Link
+
+    assert not any(c.precision.endswith("int8") for c in candidates(16, 4, ("fp32", "bf16")))
+    assert all(c.strategy != "replicate" for c in candidates(16, 4, ("int8", "bf16_int8")))
+    h100 = get_profile("h100")
+    slow = dataclasses.replace(h100, name="h100_slow_network",
+                               inter=Link("slow", h100.inter.latency, {k: v / 1000 for k, v in h100.inter.bandwidth.items()}))
+    plan = autoshard.plan(lambda: build("gpt"), TOKENS, TOKENS, world_size=16, ranks_per_node=4, precisions=("fp32", "int8"),
+                          profile=slow, memory_budget_gb=200 / 2**20)
+    by = {o.candidate: o for o in plan.outcomes}
+    full, full_int8 = by[Candidate("full", (16,))], by[Candidate("full", (16,), "int8")]
+    assert full_int8.step_time < full.step_time
+    # The gathers at 0.254x: what crosses nodes halves (the reduce-scatters stay float32).
+    assert 0.45 < full_int8.link_bytes[1] / full.link_bytes[1] < 0.55
+    assert plan.precision.endswith("int8") and plan.compression == autoshard.Compression(gather="int8")
+    assert plan.mixed_precision is None  # "int8" computes in float32
+    assert "gathers: int8 with a float32 scale per 256 elements" in plan.summary() and "sends" in plan.summary()
+    assert autoshard.Plan.from_json(plan.to_json()) == plan
+    with fake_world(16):
+        model = autoshard.shard(build("gpt"), plan=plan)
+        specs = [spec for m in model.modules() for spec in getattr(m, "_autoshard_specs", {}).values()]
+        assert specs and all(s.quant_block == 256 for s in specs)  # every parameter of this GPT is a float gathered over > 1 rank
+        with pytest.raises(UsageError, match="pass either plan= or compression="):
+            autoshard.shard(build("gpt"), plan=plan, compression=autoshard.Compression(gather="int8"))

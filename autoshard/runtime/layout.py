@@ -9,6 +9,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
+from autoshard.runtime.compression import Compression
 from autoshard.runtime.mixed_precision import MixedPrecision
 
 
@@ -26,6 +27,7 @@ class ShardLayout:
     block_strategy: str = ""
     block_mesh_shape: tuple[int, ...] = ()
     experts: str = "gathered"  # the root's experts modules: "parallel" splits them over every rank (shard's experts=)
+    compression: Compression | None = None  # shard's compression=, for the blocks and the root
 
 
 def local_chunk(full: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...] | list[Placement],

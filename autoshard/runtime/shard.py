@@ -66,15 +66,19 @@ def _default_mesh(module: nn.Module, shape: tuple[int, ...] | None = None) -> De
 
 def _planned(module: nn.Module, given: Any, mesh: DeviceMesh | None, strategy: str, mixed_precision: MixedPrecision | None,
              experts: str, state_shares: Any = None, compression: Compression | None = None) -> tuple:
-    """The mesh, strategy, mixed precision and experts layout of a :class:`ShardLayout` (or of
-    an ``autoshard.Plan``'s ``layout``) for the root, after sharding the blocks it lays out
-    otherwise (every name checked first)."""
+    """The mesh, strategy, mixed precision, experts layout and compression of a
+    :class:`ShardLayout` (or of an ``autoshard.Plan``'s ``layout``) for the root, after
+    sharding the blocks it lays out otherwise (every name checked first)."""
     plan = getattr(given, "layout", given)  # an autoshard.Plan carries its layout
     if not isinstance(plan, ShardLayout):
         raise UsageError(f"autoshard.shard: plan= takes an autoshard.Plan or a ShardLayout, got {type(given).__name__}; "
                          "make one with autoshard.plan.")
     if mesh is not None or strategy != "full" or mixed_precision is not None or experts != "gathered":
         raise UsageError("autoshard.shard: pass either plan= or mesh/strategy/mixed_precision/experts, not both: the plan chooses them.")
+    if compression is not None and plan.compression is not None:
+        raise UsageError(f"autoshard.shard: the plan chose compression {plan.compression!r}; pass either plan= or compression=, "
+                         "not both (plan without the int8 precisions to choose compression yourself).")
+    compression = compression or plan.compression
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world != plan.world_size:
         raise UsageError(f"autoshard.shard: the plan was made for {plan.world_size} ranks but this process group has {world}; "
@@ -92,13 +96,13 @@ def _planned(module: nn.Module, given: Any, mesh: DeviceMesh | None, strategy: s
         _state_fractions(state_shares, planned, plan.experts)  # refused before a block changes
         _check_compression(compression, planned)
     if not dist.is_initialized():
-        return None, plan.strategy, None, plan.experts  # world size 1: nothing to shard
+        return None, plan.strategy, None, plan.experts, compression  # world size 1: nothing to shard
     if plan.blocks:  # blocks first, then the root, as with FSDP2's fully_shard
         block_mesh = _default_mesh(module, tuple(plan.block_mesh_shape))
         for name in plan.blocks:
             shard(module.get_submodule(name), block_mesh, strategy=plan.block_strategy, mixed_precision=plan.mixed_precision,
                   state_shares=state_shares, compression=compression)
-    return _default_mesh(module, tuple(plan.mesh_shape)), plan.strategy, plan.mixed_precision, plan.experts
+    return _default_mesh(module, tuple(plan.mesh_shape)), plan.strategy, plan.mixed_precision, plan.experts, compression
 
 
 def _has(module: nn.Module, name: str) -> bool:
@@ -280,8 +284,8 @@ def shard(
     if plan is not None:
         if state_shares is None:
             state_shares = getattr(plan, "state_shares", None)
-        mesh, strategy, mixed_precision, experts = _planned(module, plan, mesh, strategy, mixed_precision, experts, state_shares,
-                                                            compression)
+        mesh, strategy, mixed_precision, experts, compression = _planned(module, plan, mesh, strategy, mixed_precision, experts,
+                                                                         state_shares, compression)
         if batch_shares is None:  # a plan for a mixed cluster chose them
             batch_shares = getattr(plan, "batch_shares", None)
     _check(module, mesh, strategy, reshard_after_forward, mixed_precision)

@@ -22,9 +22,15 @@ from dataclasses import dataclass
 from torch import nn
 
 from autoshard.cost.cost_model import DeviceProfile, collective_time
+from autoshard.runtime.compression import Compression
 from autoshard.runtime.experts import is_experts
+from autoshard.runtime.quantize import SCALE_BYTES
 
-PRECISIONS = ("fp32", "bf16")  # bf16: gathered and computed in bfloat16, gradients reduced in float32
+# bf16: gathered and computed in bfloat16, gradients reduced in float32. The int8 ones gather
+# int8 with float32 scales (autoshard.Compression(gather="int8")) and compute in float32 or
+# bfloat16: lossy, so tried only where a user lists them.
+PRECISIONS = ("fp32", "bf16", "int8", "bf16_int8")
+INT8_BYTES = 1 + SCALE_BYTES / Compression().block  # per element on the wire, the scales included
 
 
 @dataclass(frozen=True)
@@ -73,7 +79,7 @@ def _layout_label(strategy: str, mesh_shape: tuple[int, ...], ranks_per_node: in
 def candidates(world_size: int, ranks_per_node: int, precisions: tuple[str, ...] = ("fp32",),
                expert_parallel: bool = False) -> list[Candidate]:
     """The whole-model layouts searched, in the order ties are broken: full shard first, each
-    layout in every precision of ``precisions``; with ``expert_parallel``, each 1-D layout
+    layout in every precision of ``precisions`` (replicate not in the int8 ones); with ``expert_parallel``, each 1-D layout
     also with its experts split over every rank (after its gathered twin: a tie keeps the gathered one)."""
     layouts = [("full", (world_size,)), ("grad_op", (world_size,))]
     shard_size = ranks_per_node
@@ -84,7 +90,7 @@ def candidates(world_size: int, ranks_per_node: int, precisions: tuple[str, ...]
     layouts.append(("replicate", (world_size,)))
     experts = lambda shape: ("gathered", "parallel") if expert_parallel and len(shape) == 1 else ("gathered",)  # noqa: E731
     return [Candidate(strategy, shape, precision, experts=e) for strategy, shape in layouts for e in experts(shape)
-            for precision in precisions]
+            for precision in precisions if not (strategy == "replicate" and precision.endswith("int8"))]  # replicate gathers nothing
 
 
 def repeated_blocks(model: nn.Module) -> tuple[str, ...]:
@@ -167,11 +173,18 @@ class Bounds:
         parts, states = self._parts(c), self.optimizer_states
         kept = sum((1 + states) * n / _shard_size(s, shape) for s, shape, n, _ in parts)
         grads = sum(t / _shard_size(s, shape) for s, shape, _, t in parts)
-        gathered = sum(self._gather_bytes(n, c.precision) for s, _, n, _ in parts if s == "grad_op")
+        gathered = sum(self._computed_bytes(n, c.precision) for s, _, n, _ in parts if s == "grad_op")
         return kept + max(grads, gathered)
 
     def _gather_bytes(self, nbytes: float, precision: str) -> float:
-        return nbytes * 2 / self.params.element_size if precision == "bf16" else nbytes  # bf16: 2 bytes per element
+        """What a gather of ``nbytes`` of parameters sends in ``precision``."""
+        if precision.endswith("int8"):
+            return nbytes * INT8_BYTES / self.params.element_size
+        return self._computed_bytes(nbytes, precision)
+
+    def _computed_bytes(self, nbytes: float, precision: str) -> float:
+        """What ``nbytes`` of parameters take gathered, in the dtype the model computes in."""
+        return nbytes * 2 / self.params.element_size if precision.startswith("bf16") else nbytes  # bf16: 2 bytes per element
 
     def step(self, c: Candidate) -> float:
         """The busiest process group's collectives for one step on rank 0, each kind as one
@@ -200,7 +213,8 @@ class Bounds:
         moves: dict[tuple[int, ...], list[tuple[str, int]]] = {}
         for strategy, shape, nbytes, trainable in self._parts(c):
             gather = int(self._gather_bytes(nbytes, c.precision))
-            reduce = int(trainable * 4 / self.params.element_size if c.precision == "bf16" else trainable)  # bf16: reduced in float32
+            # bf16: reduced in float32
+            reduce = int(trainable * 4 / self.params.element_size if c.precision.startswith("bf16") else trainable)
             world = shape[0] * (shape[1] if len(shape) > 1 else 1)
             if strategy == "experts":  # never gathered nor reduce-scattered; the all-to-alls are left out
                 continue

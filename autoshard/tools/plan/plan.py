@@ -21,7 +21,10 @@ plan=plan)`` applies it::
     compiled = torch.compile(model, backend="autoshard", options=plan.compile_options)
 
 With ``precisions=("fp32", "bf16")`` each layout is also tried in bfloat16 (gradients reduced
-in float32); a mixed layout keeps one precision.
+in float32); a mixed layout keeps one precision. Lossy choices only where listed:
+``"int8"`` and ``"bf16_int8"`` gather int8 with float32 scales (``autoshard.Compression(gather=
+"int8")``) and compute in float32 or bfloat16; the summary then says what the chosen layout's
+gathers save against the same layout uncompressed.
 """
 from __future__ import annotations
 
@@ -44,7 +47,7 @@ from autoshard.runtime.errors import OverBudgetError, UsageError, over_budget_in
 from autoshard.runtime.shard import is_sharded, shard
 from autoshard.tools.explain import add_input_arguments, explain, input_maker, load_factory
 from autoshard.tools.plan.layouts import PRECISIONS, Bounds, Candidate, Params, candidates
-from autoshard.tools.plan.result import Outcome, Plan, _limit_bytes, _mixed_precision
+from autoshard.tools.plan.result import Outcome, Plan, _compression, _limit_bytes, _mixed_precision
 from autoshard.tools.plan.shares import best_split
 from autoshard.tools.units import fmt_bytes, fmt_time
 
@@ -55,13 +58,14 @@ def _sharding(factory: Callable[[], nn.Module], c: Candidate) -> Callable[[], nn
         if is_sharded(model):
             raise UsageError("autoshard.plan: the factory returned a sharded model; return it unsharded: the plan chooses "
                              "the sharding.")
-        precision = _mixed_precision(c.precision)
+        precision, compression = _mixed_precision(c.precision), _compression(c.precision)
         if c.blocks:  # blocks first, then the root, as with FSDP2's fully_shard
             block_mesh = init_device_mesh("cpu", c.block_mesh_shape)
             for name in c.blocks:
-                shard(model.get_submodule(name), block_mesh, strategy=c.block_strategy, mixed_precision=precision)
+                shard(model.get_submodule(name), block_mesh, strategy=c.block_strategy, mixed_precision=precision,
+                      compression=compression)
         return shard(model, init_device_mesh("cpu", c.mesh_shape), strategy=c.strategy, mixed_precision=precision,
-                     experts=c.experts)
+                     experts=c.experts, compression=compression)
 
     return make
 
@@ -277,7 +281,8 @@ def plan(
     if world_size < 1 or ranks_per_node < 1:
         raise UsageError(f"autoshard.plan: world_size and ranks_per_node must be at least 1, got {world_size} and {ranks_per_node}.")
     if not precisions or not set(precisions) <= set(PRECISIONS):
-        raise UsageError(f"autoshard.plan: precisions must be some of {PRECISIONS}, got {precisions!r}; e.g. ('fp32', 'bf16').")
+        raise UsageError(f"autoshard.plan: precisions must be some of {PRECISIONS}, got {precisions!r}; e.g. ('fp32', 'bf16'), "
+                         "or ('bf16', 'bf16_int8') to allow int8 gathers (lossy).")
     # Bad backend options fail here, before the first compile.
     states = parse_options({"compiler": "aot_eager", **options}).optimizer_states
     # The profile's links as the plan's nodes have them.
@@ -359,7 +364,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--memory-budget-gb", type=float, help="per-rank memory the plan must fit, optimizer state included (GiB)")
     parser.add_argument("--profile", help="device profile: h100 (default), a100, cpu or a .json from `autoshard calibrate`")
     parser.add_argument("--precisions", nargs="+", choices=PRECISIONS, default=["fp32"],
-                        help="precisions a layout may gather and compute in (bf16: gradients reduced in float32)")
+                        help="precisions a layout may gather and compute in (bf16: gradients reduced in float32; "
+                             "int8, bf16_int8: int8 gathers, lossy, tried only if listed)")
     add_input_arguments(parser)
     parser.add_argument("--json", metavar="PATH", help="write the plan here (autoshard.Plan.load reads it)")
 

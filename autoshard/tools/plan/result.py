@@ -3,7 +3,7 @@ was predicted to cost (:class:`Outcome`), their summary table and their JSON for
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +12,7 @@ import torch
 from autoshard.cost.cluster import Cluster
 from autoshard.cost.mixed_cluster import TypeStep
 from autoshard.cost.simulator import kwh_per_million_tokens
+from autoshard.runtime.compression import Compression
 from autoshard.runtime.layout import ShardLayout
 from autoshard.runtime.mixed_precision import MixedPrecision
 from autoshard.tools.plan.layouts import Candidate
@@ -86,12 +87,17 @@ class Plan:
     def layout(self) -> ShardLayout:
         """What ``autoshard.shard(model, plan=...)`` applies."""
         return ShardLayout(self.strategy, tuple(self.mesh_shape), self.world_size, self.mixed_precision, tuple(self.blocks),
-                           self.block_strategy, tuple(self.block_mesh_shape), self.experts)
+                           self.block_strategy, tuple(self.block_mesh_shape), self.experts, self.compression)
 
     @property
     def mixed_precision(self) -> MixedPrecision | None:
         """What ``autoshard.shard`` takes for the plan's precision."""
         return _mixed_precision(self.precision)
+
+    @property
+    def compression(self) -> Compression | None:
+        """What ``autoshard.shard`` takes for the plan's gathers (int8 only where ``precisions`` allowed it)."""
+        return _compression(self.precision)
 
     def summary(self) -> str:
         return self._table() + ("" if self.cluster is None else "\n" + mixed_summary(self))
@@ -119,6 +125,8 @@ class Plan:
                          f"{fmt_bytes(o.peak_bytes):>14s} {within:>12s} {across:>12s} {energy:>12s}{kwh}{over}")
         if self.experts == "parallel":
             lines.append(f"experts modules: split over all {self.world_size} ranks (experts='parallel'), tokens sent to them by all-to-all")
+        if self.compression is not None:
+            lines.append(self._compression_line())
         if self.all_reduce_blocks > 1:
             lines.append(f"all-reduces: one per {self.all_reduce_blocks} blocks (backend option all_reduce_blocks; "
                          "torch.compile(..., options=plan.compile_options))")
@@ -126,6 +134,20 @@ class Plan:
             lines.append(f"{len(self.blocks)} blocks ({', '.join(self.blocks[:3])}{', ...' if len(self.blocks) > 3 else ''}): "
                          f"{self.block_strategy} on {self.block_mesh_shape}; the rest: {self.strategy} on {self.mesh_shape}")
         return "\n".join(lines)
+
+    def _compression_line(self) -> str:
+        """What the chosen int8 gathers send against the same layout's uncompressed twin, where it was compiled."""
+        base = self.precision.removesuffix("_int8").replace("int8", "fp32")  # int8 -> fp32, bf16_int8 -> bf16
+        twin = next((o for o in self.outcomes if o.candidate == replace(self.candidate, precision=base) and o.link_bytes), None)
+        line = f"gathers: int8 with a float32 scale per {self.compression.block} elements (lossy: allowed by precisions)"
+        if not self.chosen.link_bytes:
+            return line
+        sent = sum(self.chosen.link_bytes)
+        if twin is None:
+            return line + f"; rank 0 sends {fmt_bytes(sent)} per step (the {base} layout was not compiled: its bounds lost)"
+        uncompressed = sum(twin.link_bytes)
+        return line + (f"; rank 0 sends {fmt_bytes(sent)} per step where the {base} layout sends {fmt_bytes(uncompressed)} "
+                       f"({sent / uncompressed:.2f}x)")
 
     def to_json(self) -> str:
         data = asdict(self)
@@ -169,4 +191,8 @@ def _limit_bytes(memory_budget_gb: float | None) -> float:
 
 
 def _mixed_precision(precision: str) -> MixedPrecision | None:
-    return None if precision == "fp32" else MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if precision.startswith("bf16") else None
+
+
+def _compression(precision: str) -> Compression | None:
+    return Compression(gather="int8") if precision.endswith("int8") else None
