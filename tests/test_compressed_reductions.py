@@ -85,7 +85,10 @@ LAYOUTS = {
                lambda world: [list(range(world))]),
     # int8 gathers too: the reference computes with the weights quantized per shard.
     "gather": (lambda world: {}, torch_chunk_rows, lambda world: [list(range(world))]),
+    # A gradient divide factor: the average times N / DIVIDE, applied where it reaches .grad.
+    "divide": (lambda world: {}, torch_chunk_rows, lambda world: [list(range(world))]),
 }
+DIVIDE = 0.5
 
 
 def _parity(name: str, mode: str, layout: str) -> tuple[float, float]:
@@ -99,6 +102,10 @@ def _parity(name: str, mode: str, layout: str) -> tuple[float, float]:
     shard_kwargs, rows_of, groups_of = LAYOUTS[layout]
     gather = "int8" if layout == "gather" else None
     autoshard.shard(model, compression=autoshard.Compression(gather=gather, reduce="int8", block=BLOCK), **shard_kwargs(world))
+    scale = 1.0
+    if layout == "divide":
+        model.set_gradient_divide_factor(DIVIDE)
+        scale = world / DIVIDE
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     run = model if mode == "uncompiled" else torch.compile(model, backend="autoshard", options={"compiler": mode})
     per_rank = GLOBAL_BATCH // world
@@ -123,6 +130,7 @@ def _parity(name: str, mode: str, layout: str) -> tuple[float, float]:
                 rows = rows_of(q.shape[0], world)
                 reduced = [reference_reduce([grads[s] for s in group], rows, BLOCK) for group in groups_of(world)]
                 expected = sum(reduced) / len(reduced)  # hybrid's replicas: a float average
+            expected = expected * scale
             grad_error = max(grad_error, (autoshard.full_tensor(p.grad) - expected).abs().max().item())
             with torch.no_grad():
                 q.copy_(autoshard.full_tensor(p).detach() - 0.05 * expected)
@@ -138,10 +146,10 @@ def _all(configs: list[tuple[str, str, str]]) -> dict[tuple[str, str, str], tupl
 
 
 # Padded shards (uneven), 1-d and 0-d parameters, a tied weight (gpt), uneven state shares, int8
-# gathers as well, and,
+# gathers as well, a gradient divide factor, and,
 # at 4 ranks, hybrid sharding, whose reductions run in half the ranks before a float all-reduce.
 PARITY = {2: [("gpt", "aot_eager", "even"), ("uneven", "aot_eager", "even"), ("uneven", "uncompiled", "even"),
-              ("uneven", "aot_eager", "shares"), ("uneven", "aot_eager", "gather")],
+              ("uneven", "aot_eager", "shares"), ("uneven", "aot_eager", "gather"), ("uneven", "aot_eager", "divide")],
           4: [("gpt", "aot_eager", "even"), ("gpt", "aot_eager", "hybrid")]}
 
 
