@@ -16,6 +16,7 @@ from .graph_utils import (
     GATHERED,
     PARAMS,
     Replacer,
+    arg,
     block_of,
     call,
     collectives,
@@ -38,7 +39,17 @@ DEFAULT_BUCKET_BYTES = 64 * 2**20
 SMALL_LEFTOVER = 0.25
 
 
+def _even_exchange(node: fx.Node) -> bool:
+    """An all-to-all that sends every rank an equal chunk and receives as much from each."""
+    sizes = arg(node, "output_split_sizes")
+    return sizes == arg(node, "input_split_sizes") and len(set(sizes)) == 1
+
+
 def _compatible(a: fx.Node, b: fx.Node) -> bool:
+    if a.target is c10d.all_to_all_single.default:  # chunks of other sizes share a bucket: each rank's side by side
+        return (b.target is a.target and _even_exchange(a) and _even_exchange(b) and val(a).dtype == val(b).dtype
+                and len(arg(a, "output_split_sizes")) == len(arg(b, "output_split_sizes"))
+                and arg(a, "group_name") == arg(b, "group_name"))
     return a.target is b.target and a.args[1:] == b.args[1:] and val(a).dtype == val(b).dtype
 
 
@@ -219,6 +230,47 @@ def _bucket_reduces(
     _slice_back(graph, wait, reduces, priority, lambda _: pos[wait_of(last)], replacer)
 
 
+def _bucket_exchanges(
+    graph: fx.Graph, exchanges: list[fx.Node], pos: dict[fx.Node, int], priority: dict[fx.Node, float], opaque: bool,
+    replacer: Replacer,
+) -> None:
+    """Even all-to-alls (quantized reductions' int8 chunks) as one: each member's input laid out
+    rank-major (``[world, its chunk]``), side by side, exchanged, and each member's columns of
+    the ``[world, total]`` result copied back out as its own result, at the last member's wait."""
+    world, group = len(arg(exchanges[0], "output_split_sizes")), arg(exchanges[0], "group_name")
+    sizes = [val(e.args[0]).numel() // world for e in exchanges]
+    total, last = sum(sizes), exchanges[-1]
+    with graph.inserting_before(last):
+        if opaque:
+            flat = call(graph, COPY_IN, [e.args[0] for e in exchanges], world)
+        else:
+            per_rank = [_flat_view(graph, e.args[0], [world, -1]) for e in exchanges]
+            flat = call(graph, aten.view.default, call(graph, aten.cat.default, per_rank, 1), [-1])
+        exchange = call(graph, c10d.all_to_all_single.default, flat, [total] * world, [total] * world, group)
+        exchange.meta[PARAMS] = tuple(name for e in exchanges for name in e.meta[PARAMS])
+        wait = call(graph, c10d.wait_tensor.default, exchange)
+        by_rank = call(graph, aten.view.default, wait, [world, total])
+    for n in exclusive_inputs(exchange) + [exchange]:
+        priority[n] = pos[last]
+    at = pos[wait_of(last)]
+    priority[wait] = priority[by_rank] = at
+    if opaque:  # one opaque copy for all (as a gather bucket's copy-out): no narrow_copy for Inductor to decompose
+        with graph.inserting_before(wait_of(exchanges[0])):
+            parts = call(graph, COPY_OUT, by_rank, world, sizes)
+        priority[parts] = at
+    offset = 0
+    for i, (e, n) in enumerate(zip(exchanges, sizes)):
+        old_wait = wait_of(e)
+        with graph.inserting_before(old_wait):
+            # [world, n]: its chunk from each rank
+            part = call(graph, operator.getitem, parts, i) if opaque else call(graph, aten.narrow_copy.default, by_rank, 1, offset, n)
+            received = _view(graph, part, list(val(old_wait).shape))
+        priority[part] = priority[received] = at
+        offset += n
+        replacer.replace(old_wait, received)
+        replacer.erase(e)
+
+
 def _bucket_all_reduces(
     graph: fx.Graph, reduces: list[fx.Node], pos: dict[fx.Node, int], priority: dict[fx.Node, float], opaque: bool,
     replacer: Replacer,
@@ -259,10 +311,11 @@ def _slice_back(
         replacer.erase(r)
 
 
-# Rewritten in this order: all-reduces may take reduce-scatters' results (hybrid sharding).
+# Rewritten in this order: all-reduces may take reduce-scatters' (or quantized reductions') results (hybrid sharding).
 _REWRITES = {
     c10d.all_gather_into_tensor.default: _bucket_gathers,
     c10d.reduce_scatter_tensor.default: _bucket_reduces,
+    c10d.all_to_all_single.default: _bucket_exchanges,
     c10d.all_reduce.default: _bucket_all_reduces,
 }
 
@@ -279,13 +332,15 @@ def planned_buckets(graph: fx.Graph, bucket_mb: float | None = None, all_reduce_
 def bucket_collectives(
     gm: fx.GraphModule, bucket_mb: float | None = None, opaque_copies: bool = False, all_reduce_blocks: int = 1
 ) -> fx.GraphModule:
-    """Replace the per-parameter all-gathers, reduce-scatters and all-reduces of a forward or
-    backward graph by one flat collective per bucket (see :func:`plan_buckets`).
+    """Replace the per-parameter all-gathers, reduce-scatters, all-reduces and even all-to-alls
+    (quantized reductions) of a forward or backward graph by one flat collective per bucket
+    (see :func:`plan_buckets`).
 
     Guarantees: numerics unchanged (gathers: shards are concatenated, gathered, and each
     parameter copied out of the rank-major result; reduce-scatters: each gradient is laid out
     rank-major, concatenated, reduced and sliced back; all-reduces: gradients are flattened,
-    concatenated, reduced and sliced back); a bucket's collective sits where its first
+    concatenated, reduced and sliced back; all-to-alls: each input laid out rank-major, side by
+    side, exchanged, and each member's columns copied out); a bucket's collective sits where its first
     member was (gathers) or its last member was (reductions), so the graph keeps "gather at
     use, reduce at end" until a scheduling pass moves it. Copy-out nodes are tagged
     ``meta["autoshard_gathered"]``; the collective's ``meta["autoshard_params"]`` lists its

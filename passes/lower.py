@@ -188,8 +188,8 @@ def lower_annotations(gm: fx.GraphModule, reshard_after_forward: bool | None = N
     becomes [cast] -> pad -> reduce_scatter_tensor(avg) -> wait_tensor
     [-> all_reduce(avg) over the replica group -> wait_tensor] -> slice [-> cast] (with the
     op's ``reduce_block``, compression: pad -> quantize_chunks -> all_to_all_single of int8 ->
-    wait_tensor -> dequantize_mean, float32, no cast before; bucketing leaves these
-    all-to-alls one per parameter),
+    wait_tensor -> dequantize_mean, float32, no cast before; bucketing merges these
+    all-to-alls as it merges reduce-scatters),
     Under uneven state shares (the ops' ``rows``) every shard is padded to ``max(rows)``: the
     gather's result is split and its real rows concatenated, and the gradient is split by
     ``rows``, each piece padded, concatenated and reduce-scattered, then cut to this rank's

@@ -203,14 +203,16 @@ def _bytes(values: list[torch.Tensor]) -> int:
 
 @pytest.mark.parametrize("gather", [None, "int8"])
 def test_lowered_reductions_are_int8_all_to_alls_of_at_most_0_3x_the_bytes(gather):
-    """The backward reduces by int8 all-to-alls only (no float reduce-scatter left), at most
-    0.3x the float32 reduce-scatters' bytes; the gathers are untouched, or int8 when asked too."""
+    """The backward reduces by int8 all-to-alls only (no float reduce-scatter left), as many as
+    the float reduce-scatters' buckets, at most 0.3x their bytes; the gathers are untouched, or
+    int8 when asked too."""
     plain = _reductions(compile_step("gpt", world_size=4))
     step = compile_step("gpt", world_size=4, compression=autoshard.Compression(gather=gather, reduce="int8"))
     quantized = _reductions(step)
     assert quantized and all(v.dtype == torch.int8 for v in quantized)
     assert plain and all(v.dtype == torch.float32 for v in plain)
     assert _bytes(quantized) <= 0.3 * _bytes(plain), (_bytes(quantized), _bytes(plain))
+    assert len(quantized) == len(plain)  # bucketed as the reduce-scatters are: one all-to-all per bucket
     gathers = [n.meta["val"].dtype for gm in step.graphs["forward"] for n in gm.graph.nodes
                if n.op == "call_function" and n.target in (c10d.all_gather_into_tensor.default, c10d.all_gather_into_tensor_out.default)]
     assert gathers and set(gathers) == {torch.int8 if gather else torch.float32}
