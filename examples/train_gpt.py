@@ -70,7 +70,9 @@ def train(args: argparse.Namespace) -> None:
             raise SystemExit(f"--replicas {args.replicas} does not divide the world size {world}")
         mesh = init_device_mesh(device.type, (args.replicas, world // args.replicas))
     precision = autoshard.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.precision == "bf16" else None
-    autoshard.shard(model, mesh, strategy=args.strategy, mixed_precision=precision)
+    gathers, reductions = args.compress in ("int8", "int8_gathers"), args.compress in ("int8", "int8_reductions")
+    compression = autoshard.Compression(gather="int8" if gathers else None, reduce="int8" if reductions else None)  # lossy
+    autoshard.shard(model, mesh, strategy=args.strategy, mixed_precision=precision, compression=compression)
     if args.meta_init:  # allocate this rank's shards and run the model's own init on them
         autoshard.materialize(model, device, init=lambda m: m.init_weights())
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)  # after shard: it sees the shards
@@ -135,6 +137,8 @@ def main() -> None:
     parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
                         help="bf16: gather and compute in bfloat16, reduce gradients and keep parameters and "
                         "optimizer state in float32")
+    parser.add_argument("--compress", choices=["none", "int8_gathers", "int8_reductions", "int8"], default="none",
+                        help="gather parameters and/or reduce gradients as int8 with block-wise scales (lossy; int8: both)")
     parser.add_argument("--grad-accum", type=int, default=1, metavar="N", help="micro-batches per step (gradient accumulation)")
     parser.add_argument("--clip", type=float, default=0.0, metavar="NORM", help="clip gradients to this global norm")
     parser.add_argument("--meta-init", action="store_true",
