@@ -96,6 +96,9 @@ def _parity(name: str, mode: str, layout: str) -> tuple[float, float]:
     rank's slice of the batch, and, each step, a single-process copy holding the same weights
     that computes every rank's gradient on that rank's slice and reduces them by
     :func:`reference_reduce`; the largest gradient and parameter (after an SGD step) differences."""
+    # Each case compiles afresh: Dynamo would otherwise recompile the earlier case's code for this
+    # one's shapes, marking dimensions dynamic on the ranks whose shapes changed only (torch 2.11).
+    torch._dynamo.reset()
     world, rank = dist.get_world_size(), dist.get_rank()
     model = build(name)
     reference = copy.deepcopy(model)

@@ -65,6 +65,9 @@ def _parity(name: str, mode: str, layout: str) -> tuple[float, float]:
     rank's slice, and, each step, a single-process copy on the whole batch whose weights are
     the sharded model's, quantized by :func:`reference_qdq`; the largest loss and gradient
     differences."""
+    # Each case compiles afresh: Dynamo would otherwise recompile the earlier case's code for this
+    # one's shapes, marking dimensions dynamic on the ranks whose shapes changed only (torch 2.11).
+    torch._dynamo.reset()
     world, rank = dist.get_world_size(), dist.get_rank()
     model = build(name)
     reference = copy.deepcopy(model)
