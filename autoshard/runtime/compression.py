@@ -86,3 +86,16 @@ def reduce_block_for(param: torch.Tensor, policy: Compression | None) -> int:
     if policy is None or not param.is_floating_point():
         return 0
     return policy.reduce_block
+
+
+def check_compression(compression: object, strategy: str) -> None:
+    """Refuse a compression policy that is not one, or that the strategy has no gather or
+    reduce-scatter for."""
+    if compression is None:
+        return
+    if not isinstance(compression, Compression):
+        raise UsageError(f"autoshard.shard: compression must be an autoshard.Compression, got {type(compression).__name__}; "
+                         "pass e.g. compression=autoshard.Compression(gather='int8').")
+    if (compression.gather is not None or compression.reduce is not None) and strategy == "replicate":
+        raise UsageError(f"autoshard.shard: strategy='replicate' gathers no parameters and reduce-scatters no gradients, so "
+                         f"{compression!r} would change nothing; use strategy='full', 'grad_op' or 'hybrid', or drop compression.")

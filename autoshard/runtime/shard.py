@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor, Placement
 from autoshard.runtime import experts as expert_parallelism
 from autoshard.runtime import grad_sync, leaves
 from autoshard.runtime.batch_shares import normalize, note_uneven_shares, set_batch_shares
-from autoshard.runtime.compression import Compression, gather_block_for, reduce_block_for
+from autoshard.runtime.compression import Compression, check_compression, gather_block_for, reduce_block_for
 from autoshard.runtime.errors import UsageError
 from autoshard.runtime.fail_together import check_same_on_all_ranks
 from autoshard.runtime.layout import ShardLayout, layout, to_dtensor
@@ -94,7 +94,7 @@ def _planned(module: nn.Module, given: Any, mesh: DeviceMesh | None, strategy: s
                          "plan again for this model.")
     for planned in dict.fromkeys((plan.strategy, plan.block_strategy or plan.strategy)):
         _state_fractions(state_shares, planned, plan.experts)  # refused before a block changes
-        _check_compression(compression, planned)
+        check_compression(compression, planned)
     if not dist.is_initialized():
         return None, plan.strategy, None, plan.experts, compression  # world size 1: nothing to shard
     if plan.blocks:  # blocks first, then the root, as with FSDP2's fully_shard
@@ -145,19 +145,6 @@ def _state_fractions(state_shares: Any, strategy: str, experts: str) -> tuple | 
         raise UsageError("autoshard.shard: state_shares do not cut expert-parallel experts (experts='parallel' splits whole "
                          "experts evenly); use experts='gathered' or drop state_shares.")
     return None if len(set(fractions)) == 1 or world == 1 else fractions
-
-
-def _check_compression(compression: Any, strategy: str) -> None:
-    """Refuse a compression policy that is not one, or that the strategy has no gather or
-    reduce-scatter for."""
-    if compression is None:
-        return
-    if not isinstance(compression, Compression):
-        raise UsageError(f"autoshard.shard: compression must be an autoshard.Compression, got {type(compression).__name__}; "
-                         "pass e.g. compression=autoshard.Compression(gather='int8').")
-    if (compression.gather is not None or compression.reduce is not None) and strategy == "replicate":
-        raise UsageError(f"autoshard.shard: strategy='replicate' gathers no parameters and reduce-scatters no gradients, so "
-                         f"{compression!r} would change nothing; use strategy='full', 'grad_op' or 'hybrid', or drop compression.")
 
 
 def _check(
@@ -289,7 +276,7 @@ def shard(
         if batch_shares is None:  # a plan for a mixed cluster chose them
             batch_shares = getattr(plan, "batch_shares", None)
     _check(module, mesh, strategy, reshard_after_forward, mixed_precision)
-    _check_compression(compression, strategy)
+    check_compression(compression, strategy)
     fractions = _state_fractions(state_shares, strategy, experts)
     if experts not in expert_parallelism.EXPERTS:
         raise UsageError(f"autoshard.shard: experts must be one of {expert_parallelism.EXPERTS}, got {experts!r}.")
