@@ -362,3 +362,19 @@ def test_explain_can_keep_only_the_stages_its_metrics_read(report):
     assert set(lean.stages) == {"captured", "forward", "backward"} < set(report.stages)
     for key in ("step_time", "exposed_comm", "peak_bytes", "shard_bytes", "energy_j"):
         assert lean.metrics[key] == report.metrics[key], key
+
+
+def test_the_summary_counts_the_int8_collectives_and_their_bytes(report):
+    """With ``Compression(gather="int8", reduce="int8")`` the summary says how many gathers and
+    reductions move int8 and their bytes, which add up to the step's bytes; without, no row."""
+    assert not [row for row in report.summary_rows() if row[0].startswith("compressed")]
+    ids = torch.zeros(2, 32, dtype=torch.long)
+    int8 = autoshard.Compression(gather="int8", reduce="int8")
+    compressed = autoshard.explain(lambda: autoshard.shard(build_model(), compression=int8), ids, ids, world_size=8, profile="h100")
+    rows = dict(compressed.summary_rows())
+    found = re.fullmatch(r"int8 gathers (\d+) \((.+)\), int8 reductions (\d+) \((.+)\)", rows["compressed collectives per step"])
+    assert found, rows["compressed collectives per step"]
+    metrics = compressed.metrics
+    assert int(found[1]) == metrics["collectives"]["all_gather"] and int(found[3]) >= 1
+    assert found[2] == fmt_bytes(metrics["comm_bytes"]["all_gather"])
+    assert metrics["comm_bytes"]["all_gather"] < 0.3 * report.metrics["comm_bytes"]["all_gather"]

@@ -13,6 +13,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Mapping
 
+import torch
 import torch.distributed as dist
 from tabulate import tabulate
 from torch import fx
@@ -21,7 +22,7 @@ from autoshard.compiler.pipeline import STAGES
 from autoshard.cost.cost_model import DeviceProfile, get_profile
 from autoshard.cost.liveness import CATEGORIES, parameters_label
 from autoshard.cost.simulator import EVENT_KINDS, Event, Simulation, StepAnalysis, simulate
-from autoshard.passes.graph_utils import parameter_reads
+from autoshard.passes.graph_utils import collective_kind, is_exchange, nbytes, parameter_reads, val
 from autoshard.passes.schedule import PLAN
 from autoshard.runtime.errors import UsageError
 from autoshard.runtime.ops import UNSHARD
@@ -169,6 +170,7 @@ class Report:
             ("buckets (collectives)", f"forward {m['forward_buckets']}, backward {m['backward_buckets']}"),
             ("collectives per step", f"{sum(m['collectives'].values())} ({by_kind(m['collectives'], str)})"),
             ("bytes per step", f"{fmt_bytes(sum(m['comm_bytes'].values()))} ({by_kind(m['comm_bytes'], fmt_bytes)})"),
+            *self._compression_rows(),
             ("step time (predicted)", fmt_time(a.step_time)),
             ("compute time", fmt_time(a.compute_time)),
             ("communication time", fmt_time(a.comm_time)),
@@ -200,6 +202,18 @@ class Report:
                   f"{fmt_time(t.busy)}, waiting {fmt_time(t.wait)}, utilisation {u:.1%}, peak {fmt_bytes(t.peak_bytes)}"
                   + ("" if t.limit_bytes is None else f" of {fmt_bytes(t.limit_bytes)}")) for t, u in zip(cluster_step.types, util)]
         return rows + [("utilisation variance across rank types", f"{sum((u - mean) ** 2 for u in util) / len(util):.4f}")]
+
+    def _compression_rows(self) -> list[tuple[str, str]]:
+        """Collectives that move int8 (``autoshard.Compression``): how many per step and their
+        bytes, gathers and reductions apart; none without compression."""
+        found = {"gathers": Counter(), "reductions": Counter()}
+        for side in ("forward", "backward"):
+            for node in self.stages[side].graph.nodes if side in self.stages else ():
+                kind = "gathers" if collective_kind(node) == "all_gather" else "reductions" if is_exchange(node) else None
+                if kind and isinstance(node.args[0], fx.Node) and val(node.args[0]).dtype == torch.int8:
+                    found[kind].update(n=1, bytes=nbytes(node))
+        text = [f"int8 {k} {c['n']} ({fmt_bytes(c['bytes'])})" for k, c in found.items() if c]
+        return [("compressed collectives per step", ", ".join(text))] if text else []
 
     def _energy_rows(self) -> list[tuple[str, str]]:
         """Energy per step, per rank and over all ranks; none where the profile has no power figures."""
