@@ -209,6 +209,16 @@ def _copy_out(
         replacer.erase(g)
 
 
+def _rank_major(graph: fx.Graph, inputs: list[fx.Node], world: int, opaque: bool) -> fx.Node:
+    """The flat buffer a bucketed reduce-scatter or all-to-all sends: each input ``[world *
+    chunk, ...]`` seen as ``[world, chunk]``, side by side, rank by rank (one opaque copy-in
+    with ``opaque``)."""
+    if opaque:
+        return call(graph, COPY_IN, inputs, world)
+    per_rank = [_flat_view(graph, x, [world, -1]) for x in inputs]
+    return call(graph, aten.view.default, call(graph, aten.cat.default, per_rank, 1), [-1])
+
+
 def _bucket_reduces(
     graph: fx.Graph, reduces: list[fx.Node], pos: dict[fx.Node, int], priority: dict[fx.Node, float], opaque: bool,
     replacer: Replacer,
@@ -216,11 +226,7 @@ def _bucket_reduces(
     op, world, group = reduces[0].args[1:]
     last = reduces[-1]
     with graph.inserting_before(last):
-        if opaque:
-            flat = call(graph, COPY_IN, [r.args[0] for r in reduces], world)
-        else:
-            per_rank = [_flat_view(graph, r.args[0], [world, -1]) for r in reduces]
-            flat = call(graph, aten.view.default, call(graph, aten.cat.default, per_rank, 1), [-1])
+        flat = _rank_major(graph, [r.args[0] for r in reduces], world, opaque)
         reduce = call(graph, c10d.reduce_scatter_tensor.default, flat, op, world, group)
         reduce.meta[PARAMS] = tuple(name for r in reduces for name in r.meta[PARAMS])
         wait = call(graph, c10d.wait_tensor.default, reduce)
@@ -241,11 +247,7 @@ def _bucket_exchanges(
     sizes = [val(e.args[0]).numel() // world for e in exchanges]
     total, last = sum(sizes), exchanges[-1]
     with graph.inserting_before(last):
-        if opaque:
-            flat = call(graph, COPY_IN, [e.args[0] for e in exchanges], world)
-        else:
-            per_rank = [_flat_view(graph, e.args[0], [world, -1]) for e in exchanges]
-            flat = call(graph, aten.view.default, call(graph, aten.cat.default, per_rank, 1), [-1])
+        flat = _rank_major(graph, [e.args[0] for e in exchanges], world, opaque)
         exchange = call(graph, c10d.all_to_all_single.default, flat, [total] * world, [total] * world, group)
         exchange.meta[PARAMS] = tuple(name for e in exchanges for name in e.meta[PARAMS])
         wait = call(graph, c10d.wait_tensor.default, exchange)
