@@ -10,7 +10,8 @@ from autoshard._compat import c10d, must_recompute
 from autoshard.runtime.ops import chunk_rows
 from autoshard.runtime.quantize import DEQUANTIZE, DEQUANTIZE_MEAN, QUANTIZE, QUANTIZE_CHUNKS, packed_numel
 
-from .graph_utils import PARAMS, Replacer, arg, call, is_op, is_view, named_args, positions, val
+from .graph_utils import PARAMS, Replacer, arg, call, is_op, named_args, positions, val
+from .hpz import NodeGathered, gather_within_nodes, view_chain
 from .keep import KEPT_BLOCKS, extra_blocks, kept_for_backward
 
 aten = torch.ops.aten
@@ -102,20 +103,26 @@ def _gather(graph: fx.Graph, padded: fx.Node, world: int, group: str, name: str,
     return [moved, gather, wait, call(graph, DEQUANTIZE, wait, world, block, shape, dtype or val(padded).dtype)]
 
 
-def _lower_unshard(graph: fx.Graph, node: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
+def _lower_unshard(graph: fx.Graph, node: fx.Node, region: int = 0) -> tuple[fx.Node, list[fx.Node], NodeGathered | None]:
+    """(the full value, the nodes made, what a gather within the node needs where the op has a node_size)."""
     a = named_args(node)
     shard, group, world, dim0, name = a["shard"], a["group_name"], a["world_size"], a["dim0"], a["name"]
     block = a.get("quant_block", 0) if world > 1 else 0
     # On the shard: the gather moves the low precision (quantized gathers start from the shard's own).
     cast = shard if block else _cast(graph, shard, a["param_dtype"])
     if world == 1:
-        return cast, [cast] if cast is not shard else []
+        return cast, [cast] if cast is not shard else [], None
     shared = _shared_rows(a.get("rows"))
     chunk = max(a["rows"]) if shared else chunk_rows(dim0, world)
     padded = _pad_rows(graph, cast, chunk, shard=shared or _uneven(dim0, world))
     *moved, gathered = _gather(graph, padded, world, group, name, block, a["param_dtype"])
-    full, joined = _join_rows(graph, gathered, list(a["rows"])) if shared else (_take_rows(graph, gathered, dim0), [])
-    return full, [n for n in dict.fromkeys((cast, padded, *moved, gathered, *joined, full)) if n is not shard]
+
+    def finish(graph: fx.Graph, gathered: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
+        return _join_rows(graph, gathered, list(a["rows"])) if shared else (_take_rows(graph, gathered, dim0), [])
+
+    full, joined = finish(graph, gathered)
+    node = NodeGathered(name, gathered, full, a["node_group"], a["node_size"], region, finish) if a.get("node_size") else None
+    return full, [n for n in dict.fromkeys((cast, padded, *moved, gathered, *joined, full)) if n is not shard], node
 
 
 def _exchange_quantized(graph: fx.Graph, padded: fx.Node, world: int, group: str, name: str, block: int) -> fx.Node:
@@ -165,16 +172,9 @@ def _lower_all_reduce_grad(graph: fx.Graph, node: fx.Node) -> fx.Node:
     return _cast(graph, grad, a["out_dtype"])
 
 
-def _view_chain(node: fx.Node) -> list[fx.Node]:
-    """Views and dtype casts hanging off ``node``: the partitioner would otherwise save them
-    (a transposed full weight is as large as the weight)."""
-    chain, todo = [], list(node.users)
-    while todo:
-        user = todo.pop()
-        if is_view(user) or user.target is torch.ops.prims.convert_element_type.default:
-            chain.append(user)
-            todo.extend(user.users)
-    return chain
+# The views and dtype casts hanging off a full value are tagged with it: the partitioner
+# would otherwise save them (a transposed full weight is as large as the weight).
+_view_chain = view_chain
 
 
 def lower_annotations(gm: fx.GraphModule, reshard_after_forward: bool | None = None,
@@ -205,7 +205,10 @@ def lower_annotations(gm: fx.GraphModule, reshard_after_forward: bool | None = N
     no more than ``keep_at_most`` blocks beyond the first, on a joint graph; how many it kept
     beyond the first is ``gm.meta["autoshard_kept_blocks"]``) and the views of their results
     are tagged MUST_RECOMPUTE, so a
-    partitioned forward saves their shards, not the full parameters. Numerics are the annotation ops' run eagerly
+    partitioned forward saves their shards, not the full parameters. A resharded gather whose
+    op has a ``node_size`` G (``reshard_after_forward=G``) also gets :mod:`passes.hpz`'s
+    hierarchical backward: its node slice of the gathered padded tensor tagged MUST_SAVE, and
+    the backward's uses reading a gather of the slices over ``node_group`` (G ranks). Numerics are the annotation ops' run eagerly
     (unchanged, or quantized alike); the pass is idempotent.
     """
     graph = gm.graph
@@ -214,18 +217,20 @@ def lower_annotations(gm: fx.GraphModule, reshard_after_forward: bool | None = N
         return gm  # already lowered (the partitioned graphs of a joint graph): no lint, no recompile
     replacer = Replacer(graph)
     undecided: dict[str, tuple[int, fx.Node, list[fx.Node]]] = {}  # flag None: name -> (region, full, created)
+    within_nodes: list[NodeGathered] = []  # reshard_after_forward=G: gathered again within the node
     for i, node in enumerate(list(graph.nodes)):
         if node.op != "call_function":
             continue
         recompute: list[fx.Node] = []
         with graph.inserting_before(node):
             if is_op(node, annotations.unshard):
-                out, created = _lower_unshard(graph, node)
+                out, created, hierarchical = _lower_unshard(graph, node, _AC_GRAPH_ID_BASE + i)
                 reshard = arg(node, "reshard") if reshard_after_forward is None else reshard_after_forward
                 if reshard is None and created:
                     undecided[arg(node, "name")] = (i, out, created)
                 elif reshard:
                     recompute = created
+                    within_nodes += [hierarchical] if hierarchical is not None else []
             elif is_op(node, annotations.reduce_grad):
                 out = _lower_reduce_grad(graph, node)
             elif is_op(node, annotations.all_reduce_grad):
@@ -239,6 +244,7 @@ def lower_annotations(gm: fx.GraphModule, reshard_after_forward: bool | None = N
             for n in recompute + _view_chain(out):
                 must_recompute(n, _AC_GRAPH_ID_BASE + i)
     replacer.finish()  # the output reads the lowered nodes: the liveness the keeping reads
+    gather_within_nodes(graph, within_nodes)  # passes/hpz.py
     fulls = {name: full for name, (_, full, _) in undecided.items()}
     order = positions(graph.nodes)
     kept = kept_for_backward(graph, fulls, order, budget_bytes, keep_at_most)

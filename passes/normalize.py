@@ -15,6 +15,7 @@ from __future__ import annotations
 from torch import fx
 
 from .graph_utils import collective_kind, is_wait, outputs_of, positions
+from .hpz import regather_within_nodes
 
 
 def _dead(node: fx.Node) -> bool:
@@ -42,7 +43,9 @@ def normalize_collectives(gm: fx.GraphModule) -> fx.GraphModule:
     Guarantees: every collective has exactly one ``wait_tensor``; a collective stays iff
     something computes with or returns its result; every remaining node keeps its place. The
     decision reads only the graph's structure, so ranks compiling the same graph drop the same
-    collectives. Numerics are unchanged.
+    collectives. First, a backward holding a parameter's node gather (``reshard_after_forward=G``)
+    reads it where it read the forward's gather over every rank (:func:`passes.hpz.regather_within_nodes`),
+    which then goes unread. Numerics are unchanged.
 
         before: g -> reduce_scatter -> wait1 -> ... wait2 -> x     (one collective, two waits)
         after:  g -> reduce_scatter -> wait1 -> ... x               (x reads wait1)
@@ -51,8 +54,8 @@ def normalize_collectives(gm: fx.GraphModule) -> fx.GraphModule:
         after:  shard
     """
     graph = gm.graph
+    merged = regather_within_nodes(graph)
     pos = positions(graph.nodes)
-    merged = False
     for node in graph.nodes:
         if collective_kind(node) is None:
             continue

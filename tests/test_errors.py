@@ -253,8 +253,8 @@ def test_the_error_types_keep_the_builtins_they_replaced():
 def test_shard_mistakes_are_usage_errors():
     with pytest.raises(UsageError, match=r"^autoshard\.shard: strategy must be one of"):
         autoshard.shard(nn.Linear(2, 2), strategy="sideways")
-    with pytest.raises(UsageError, match=r"^autoshard\.shard: reshard_after_forward must be True, False or None"):
-        autoshard.shard(nn.Linear(2, 2), reshard_after_forward=1)
+    with pytest.raises(UsageError, match=r"^autoshard\.shard: reshard_after_forward must be True, False, None or an int"):
+        autoshard.shard(nn.Linear(2, 2), reshard_after_forward=1.0)
     with pytest.raises(UsageError, match=r"^autoshard\.shard: mixed_precision must be an autoshard\.MixedPrecision"):
         autoshard.shard(nn.Linear(2, 2), mixed_precision=torch.bfloat16)
 

@@ -209,7 +209,7 @@ def test_hybrid_reduce_scatters_within_and_all_reduces_across_replicas():
         ({"strategy": "zero3"}, r"strategy must be one of \('full', 'grad_op', 'replicate', 'hybrid'\), got 'zero3'"),
         ({"strategy": "hybrid"}, r"autoshard.shard: strategy='hybrid' needs a 2-D mesh; pass mesh=init_device_mesh"),
         ({"strategy": "grad_op", "reshard_after_forward": True}, "strategy='grad_op' keeps full parameters"),
-        ({"reshard_after_forward": 1}, r"^autoshard.shard: reshard_after_forward must be True, False or None, got 1\.$"),
+        ({"reshard_after_forward": 1.0}, r"^autoshard.shard: reshard_after_forward must be True, False, None or an int .*got 1\.0; pass"),
         ({"strategy": "full", "mesh": (2, 4)}, "strategy='full' needs a 1-D DeviceMesh, got 2-D"),
         ({"strategy": "hybrid", "mesh": (8,)}, r"strategy='hybrid' needs a 2-D DeviceMesh, got 1-D .*\(replicas, shard_size\)"),
         ({"mixed_precision": torch.bfloat16}, "mixed_precision must be an autoshard.MixedPrecision, got dtype"),

@@ -80,6 +80,7 @@ __all__ = [
     "boxed",
     "min_cut_rematerialization_partition",
     "must_recompute",
+    "must_save",
     "no_python_dispatcher",
     "optimization_hint",
     "recompute_region",
@@ -226,6 +227,11 @@ def must_recompute(node: torch.fx.Node, graph_id: int) -> None:
     """Tag a joint-graph node so the partitioner recomputes it in backward, never saves it."""
     node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
     node.meta["ac_graph_id"] = graph_id
+
+
+def must_save(node: torch.fx.Node) -> None:
+    """Tag a joint-graph node so the partitioner saves it for backward, never recomputes it."""
+    node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
 
 
 def recompute_region(node: torch.fx.Node) -> int | None:

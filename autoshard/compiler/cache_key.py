@@ -28,6 +28,7 @@ from autoshard.compiler.options import Options
 from autoshard.cost.cost_model import DeviceProfile
 from autoshard.passes.graph_utils import group_backend, group_ranks
 from autoshard.runtime.batched import calls_of
+from autoshard.runtime.ops import arguments
 
 
 def _version() -> str:
@@ -51,10 +52,13 @@ def code_hash() -> str:
 
 
 def _groups(gm: fx.GraphModule) -> list[tuple[str, Any, Any]]:
-    """The process groups the graph's gathers name: name, backend and ranks relative to the lowest."""
+    """The process groups the graph's gathers name (the shard groups, and the node groups of
+    ``reshard_after_forward=G``): name, backend and ranks relative to the lowest."""
     names = set()
     for node in gm.graph.find_nodes(op="call_function", target=UNSHARD_ALL):
-        names.update(rest[0] for _, rest in calls_of(node.args[1]))
+        for op, rest in calls_of(node.args[1]):
+            found = arguments(op, (None, *rest))
+            names.update(n for n in (found["group_name"], found.get("node_group")) if n)
     found = []
     for name in sorted(names):
         ranks = group_ranks(name)

@@ -30,6 +30,8 @@ Arguments shared by the ops:
 * ``quant_block``: 0 normally. Under ``autoshard.Compression(gather="int8")``, the elements per
   scale: the padded shard is gathered as int8 blocks and dequantized to ``param_dtype`` (or its
   own dtype) after the gather (:mod:`autoshard.runtime.quantize`); the backward is unchanged.
+* ``node_group`` / ``node_size``: "" and 0 normally. Under ``reshard_after_forward=G`` (an
+  int), this rank's node group and G: the backward gathers within the node (``passes/hpz.py``).
 * ``reduce_block``: 0 normally. Under ``autoshard.Compression(reduce="int8")``, the elements
   per scale of the gradient's reduction: each destination rank's chunk of the padded gradient
   is quantized to int8 blocks, the chunks exchanged by one all-to-all, and the received ones
@@ -134,6 +136,7 @@ def unshard(  # one line per group of arguments (see the module docstring)
     shard: torch.Tensor, group_name: str, world_size: int, dim0: int, reshard: Optional[bool], name: str,
     sink: Optional[torch.Tensor], param_dtype: Optional[torch.dtype], reduce_dtype: Optional[torch.dtype],
     replica_group: str, replicas: int, rows: Optional[list[int]] = None, quant_block: int = 0, reduce_block: int = 0,
+    node_group: str = "", node_size: int = 0,
 ) -> torch.Tensor:
     """All-gather ``shard`` (this rank's rows of a ``dim0``-row parameter), cast to
     ``param_dtype`` first (or, with ``quant_block``, quantized and dequantized to it after the
@@ -142,6 +145,10 @@ def unshard(  # one line per group of arguments (see the module docstring)
     ``reshard``: free the result after forward and gather again in backward; None: unless the
     backward needs it first (the lowering decides, see ``passes/lower.py``). Backward:
     :func:`reduce_grad`, or the full gradient to ``sink`` when one is given.
+    ``node_group`` / ``node_size``: hierarchical backward gathers (``reshard_after_forward=``
+    an int, :mod:`autoshard.runtime.hpz`): the lowering keeps this rank's node slice after the
+    forward and gathers it again within ``node_group`` only (``passes/hpz.py``); eagerly the
+    same as without.
     """
     chunk = max(rows) if rows else chunk_rows(dim0, world_size)
     if quant_block:
@@ -157,7 +164,7 @@ def unshard(  # one line per group of arguments (see the module docstring)
 
 @unshard.register_fake
 def _unshard_fake(shard, group_name, world_size, dim0, reshard, name, sink, param_dtype, reduce_dtype, replica_group, replicas,
-                  rows=None, quant_block=0, reduce_block=0):
+                  rows=None, quant_block=0, reduce_block=0, node_group="", node_size=0):
     return new_empty(shard, (dim0, *shard.shape[1:]), param_dtype or shard.dtype)
 
 

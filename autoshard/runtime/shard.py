@@ -29,7 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Placement
 
 from autoshard.runtime import experts as expert_parallelism
-from autoshard.runtime import grad_sync, leaves
+from autoshard.runtime import grad_sync, hpz, leaves
 from autoshard.runtime.batch_shares import normalize, note_uneven_shares, set_batch_shares
 from autoshard.runtime.compression import Compression, check_compression, gather_block_for, reduce_block_for
 from autoshard.runtime.errors import UsageError
@@ -127,7 +127,7 @@ def _describe(owners: Owners, layouts: Layouts, strategy: str, mesh: DeviceMesh,
         for name, spec in specs.items():
             param = mod._parameters[name]
             items.append((spec.name, tuple(param.shape), str(param.dtype), param.requires_grad, spec.dim0, spec.reshard,
-                          id(param) in layouts, spec.rows, spec.quant_block, spec.reduce_block))
+                          id(param) in layouts, spec.rows, spec.quant_block, spec.reduce_block, spec.node_size))
     return items
 
 
@@ -148,7 +148,8 @@ def _state_fractions(state_shares: Any, strategy: str, experts: str) -> tuple | 
 
 
 def _check(
-    module: nn.Module, mesh: DeviceMesh | None, strategy: str, reshard_after_forward: bool | None, mixed_precision: MixedPrecision | None
+    module: nn.Module, mesh: DeviceMesh | None, strategy: str, reshard_after_forward: bool | int | None,
+    mixed_precision: MixedPrecision | None
 ) -> None:
     if getattr(module, _SHARDED, False):
         raise UsageError(
@@ -157,8 +158,7 @@ def _check(
         )
     if strategy not in STRATEGIES:
         raise UsageError(f"autoshard.shard: strategy must be one of {STRATEGIES}, got {strategy!r}.")
-    if not (reshard_after_forward is None or isinstance(reshard_after_forward, bool)):  # 1 == True: not `in (None, True, False)`
-        raise UsageError(f"autoshard.shard: reshard_after_forward must be True, False or None, got {reshard_after_forward!r}.")
+    hpz.check_value(reshard_after_forward, strategy)  # an int: hierarchical backward gathers
     if reshard_after_forward and strategy in ("grad_op", "replicate"):
         raise UsageError(
             f"autoshard.shard: strategy={strategy!r} keeps full parameters from forward to backward, which "
@@ -195,7 +195,7 @@ def shard(
     module: nn.Module,
     mesh: DeviceMesh | None = None,
     *,
-    reshard_after_forward: bool | None = None,
+    reshard_after_forward: bool | int | None = None,
     strategy: str = "full",
     mixed_precision: MixedPrecision | None = None,
     plan: Any = None,
@@ -221,7 +221,10 @@ def shard(
             exposed gathers), and, given the backend's ``memory_budget_gb``, as many blocks
             before it, last first, as fit the budget (``passes/keep.py``); False for
             ``"grad_op"`` (and ``"replicate"``, which gathers nothing); True with those two is
-            an error.
+            an error. An int G (strategy ``"full"``; G divides the N ranks; G == N is True,
+            G == 1 False): hierarchical backward gathers (ZeRO++'s hpZ, FSDP2's int): each rank
+            keeps its node's 1/G of every gathered parameter from forward to backward, and the
+            backward gathers over the G ranks of its node only (:mod:`autoshard.runtime.hpz`).
         strategy: ``"full"`` (ZeRO-3), ``"grad_op"`` (ZeRO-2: parameters stay gathered from
             forward to backward; gradients and optimizer state sharded), ``"replicate"``
             (DDP: full parameters on every rank, gradients all-reduced in buckets during the
@@ -298,16 +301,21 @@ def shard(
     if batch_shares is not None:  # refused before anything changes
         normalize(batch_shares, dist.get_world_size(), what="autoshard.shard")
     mesh = mesh if mesh is not None else _default_mesh(module)
+    reshard_after_forward, node_size = hpz.node_size(reshard_after_forward, mesh.size())
     if reshard_after_forward is None and strategy not in ("full", "hybrid"):
         reshard_after_forward = False  # None stays: the lowering keeps what the backward needs first
     # Plan every new parameter, agree, build them all, then install: nothing is half-applied.
     found = expert_parallelism.plan(module, mesh) if experts == "parallel" else []
     skip = {id(p) for _, m in found for p in m.parameters(recurse=False)}
-    layouts, owners = _plan(module, mesh, strategy, reshard_after_forward, mixed_precision, skip, fractions, compression)
+    layouts, owners = _plan(module, mesh, strategy, reshard_after_forward, mixed_precision, skip, fractions, compression, node_size)
     # Ranks that built different models would otherwise hang or train apart: fail alike first.
     described = _describe(owners, layouts, strategy, mesh, mixed_precision, compression) + expert_parallelism.describe(found)
     described.insert(0, ("state_shares", None if fractions is None else [str(f) for f in fractions]))
     check_same_on_all_ranks("autoshard.shard", described, mesh.device_type)
+    if node_size:  # made once every rank agrees on G: every rank makes every node's group
+        group = hpz.node_group(mesh, node_size)
+        owners = [(m, {n: replace(s, node_group=group) if s.node_size and not s.node_group else s for n, s in specs.items()})
+                  for m, specs in owners]
     expert_parallelism.install(found, mesh)
     sharded = {key: nn.Parameter(to_dtensor(param, mesh, placements, rows), requires_grad=param.requires_grad)
                for key, (param, placements, rows) in layouts.items()}
@@ -321,7 +329,7 @@ def shard(
 
 def _plan(
     module: nn.Module, mesh: DeviceMesh, strategy: str, reshard: bool | None, mixed_precision: MixedPrecision | None,
-    skip: set[int] = frozenset(), fractions: tuple | None = None, compression: Compression | None = None,
+    skip: set[int] = frozenset(), fractions: tuple | None = None, compression: Compression | None = None, node_size: int = 0,
 ) -> tuple[Layouts, Owners]:
     """(each new parameter's placements by id, each owning module's specs), changing nothing."""
     groups, split, replicated = layout(mesh, strategy)
@@ -358,7 +366,7 @@ def _plan(
             reduce_block = reduce_block_for(param, compression) if splits and groups["world_size"] > 1 else 0
             specs[name] = ParamSpec(
                 dim0=dim0, reshard=reshard if splits else False, name=fqn, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                rows=rows, quant_block=quant_block, reduce_block=reduce_block, **groups
+                rows=rows, quant_block=quant_block, reduce_block=reduce_block, node_size=node_size if splits else 0, **groups
             )
         if specs:
             owners.append((mod, specs))

@@ -45,6 +45,10 @@ class ParamSpec:
     quant_block: int = 0
     # Compression: elements per scale of an int8 gradient reduction (all-to-all); 0: none.
     reduce_block: int = 0
+    # Hierarchical backward gathers (reshard_after_forward=G, autoshard/runtime/hpz.py): the
+    # group of this rank's node and its size G; "" and 0: none.
+    node_group: str = ""
+    node_size: int = 0
     # The annotation op and its arguments before and after ``sink``, built once: a parameter
     # use then loads an op and two tuples of constants, which Dynamo traces much faster than
     # ten attributes.
@@ -57,9 +61,11 @@ class ParamSpec:
         # The ops' overloads themselves: calling their Python wrappers costs Dynamo a frame each.
         object.__setattr__(self, "op", ops.REPLICATE if self.dim0 < 0 else ops.UNSHARD)
         object.__setattr__(self, "head", (self.group_name, *shape, self.name))
-        # Left out at their defaults (even rows, no compression): the op's defaults, the graphs unchanged.
-        compressed = (self.rows or None, self.quant_block, self.reduce_block)
-        rows = compressed[:3 if self.reduce_block else 2] if self.quant_block or self.reduce_block else (self.rows,) if self.rows else ()
+        # Left out at their defaults (even rows, no compression, no node group): the op's
+        # defaults, the graphs unchanged.
+        rows = [self.rows or None, self.quant_block, self.reduce_block, self.node_group, self.node_size]
+        while rows and rows[-1] in (None, 0, ""):
+            rows.pop()
         object.__setattr__(self, "tail", (self.param_dtype, self.reduce_dtype, self.replica_group, self.replicas, *rows))
 
 
