@@ -21,13 +21,6 @@ os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 from tiers import select_tiers  # noqa: E402 - tests/ is on sys.path from here
 
-from autoshard.tools import launch  # noqa: E402
-
-# Every launch's ranks fork from the launcher's fork server: it imports Inductor's modules and
-# checks the C++ compiler's vector ISAs once for the whole run, not once per rank per launch
-# (tests/compile_warmup.py).
-launch.PRELOAD.append("compile_warmup")
-
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     select_tiers(config, items)  # tests/tiers.py
