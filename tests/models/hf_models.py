@@ -160,6 +160,8 @@ HOW: dict[str, dict[str, Any]] = {
     # the defaults (the last block kept), the three ways a gathered parameter reaches the backward.
     "reshard": {"shard": functools.partial(autoshard.shard, reshard_after_forward=True)},
     "keep": {"shard": functools.partial(autoshard.shard, reshard_after_forward=False)},
+    # hpZ: the backward gathers again within nodes of 2 ranks (run at 4 ranks).
+    "hpz": {"shard": functools.partial(autoshard.shard, reshard_after_forward=2)},
 }
 
 

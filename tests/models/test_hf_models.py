@@ -58,6 +58,14 @@ def test_short_and_empty_shards_at_4_ranks() -> None:
     _check(found)
 
 
+def test_hierarchical_backward_gathers_at_4_ranks_under_inductor() -> None:
+    """``reshard_after_forward=2`` (hpZ): the forward gathers over 4 ranks, each rank keeps its
+    node's slice, the backward gathers it again over 2. Llama with the library's checkpointing:
+    grouped-query attention, rotary embeddings, and forward ops the backward recomputes."""
+    found = run_ranks(4, hf_models.parity_many, [("llama_checkpointed", "inductor")], "hpz", timeout=900)[0]
+    _check(found)
+
+
 def test_per_layer_sharding_then_the_root() -> None:
     """FSDP2's usual pattern: each decoder layer sharded first, then the model."""
     found = run_ranks(2, hf_models.parity_many, [("llama", "aot_eager")], "per_layer", timeout=600)[0]
