@@ -6,7 +6,9 @@ On each world size it starts the ranks once and sets up the same GPT (same seed,
 once per policy: ``fp32`` (no policy), ``bf16`` (``MixedPrecision(param_dtype=bfloat16,
 reduce_dtype=float32)``: gathers and compute in bfloat16, reductions as fp32's) and ``int8``
 (``Compression(gather="int8", block=256)``: int8 gathers with one float32 scale per 256
-elements, dequantized to float32 after the gather) and ``int8-reduce``
+elements, dequantized to float32 after the gather), ``fp8`` (``Compression(gather="fp8",
+block=256)``: the same with float8 e4m3 values, scale absmax / 448, the same bytes) and
+``int8-reduce``
 (``Compression(reduce="int8", block=256)``: float32 gathers, gradients reduced by an all-to-all
 of int8 chunks, averaged in float32 on the receiver). Their timed steps take turns, one step of
 each per round, so load that comes and goes slows them all alike. Bytes are read off the
@@ -41,6 +43,7 @@ POLICIES = {
     "fp32": {},
     "bf16": {"mixed_precision": autoshard.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)},
     "int8": {"compression": autoshard.Compression(gather="int8", block=256)},
+    "fp8": {"compression": autoshard.Compression(gather="fp8", block=256)},
     "int8-reduce": {"compression": autoshard.Compression(reduce="int8", block=256)},
 }
 

@@ -89,18 +89,20 @@ def _spread_rows(graph: fx.Graph, grad: fx.Node, rows: list[int]) -> fx.Node:
 
 
 def _gather(graph: fx.Graph, padded: fx.Node, world: int, group: str, name: str, block: int,
-            dtype: torch.dtype | None) -> list[fx.Node]:
+            dtype: torch.dtype | None, codec: str = "int8") -> list[fx.Node]:
     """The gather of a padded shard ``[chunk, ...]``, the last node its ``[world * chunk, ...]``
-    result; with ``block`` (compression), of its int8 packing, dequantized to ``dtype`` after
-    the wait: [quantize_blocks ->] all_gather -> wait [-> dequantize_blocks]."""
-    moved = call(graph, QUANTIZE, padded, block) if block else padded  # int8 [nb * (block + 4)]
+    result; with ``block`` (compression), of its int8 packing (``codec`` "fp8": float8 e4m3
+    bytes), dequantized to ``dtype`` after the wait: [quantize_blocks ->] all_gather -> wait
+    [-> dequantize_blocks]."""
+    extra = () if codec == "int8" else (codec,)  # int8, the ops' default: the graphs as before fp8
+    moved = call(graph, QUANTIZE, padded, block, *extra) if block else padded  # int8 [nb * (block + 4)]
     gather = call(graph, c10d.all_gather_into_tensor.default, moved, world, group)
     gather.meta[PARAMS] = (name,)
     wait = call(graph, c10d.wait_tensor.default, gather)
     if not block:
         return [gather, wait]
     shape = list(val(padded).shape)
-    return [moved, gather, wait, call(graph, DEQUANTIZE, wait, world, block, shape, dtype or val(padded).dtype)]
+    return [moved, gather, wait, call(graph, DEQUANTIZE, wait, world, block, shape, dtype or val(padded).dtype, *extra)]
 
 
 def _lower_unshard(graph: fx.Graph, node: fx.Node, region: int = 0) -> tuple[fx.Node, list[fx.Node], NodeGathered | None]:
@@ -115,7 +117,7 @@ def _lower_unshard(graph: fx.Graph, node: fx.Node, region: int = 0) -> tuple[fx.
     shared = _shared_rows(a.get("rows"))
     chunk = max(a["rows"]) if shared else chunk_rows(dim0, world)
     padded = _pad_rows(graph, cast, chunk, shard=shared or _uneven(dim0, world))
-    *moved, gathered = _gather(graph, padded, world, group, name, block, a["param_dtype"])
+    *moved, gathered = _gather(graph, padded, world, group, name, block, a["param_dtype"], a.get("quant_codec", "int8"))
 
     def finish(graph: fx.Graph, gathered: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
         return _join_rows(graph, gathered, list(a["rows"])) if shared else (_take_rows(graph, gathered, dim0), [])

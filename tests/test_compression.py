@@ -1,5 +1,6 @@
-"""Quantized gathers (autoshard.Compression(gather="int8")): exact against a single process whose
-weights are quantized the same way, int8 on the wire, and refused when asked wrongly."""
+"""Quantized gathers (autoshard.Compression(gather="int8") and "fp8"): exact against a single
+process whose weights are quantized the same way, int8 bytes on the wire, and refused when asked
+wrongly."""
 from __future__ import annotations
 
 import copy
@@ -32,20 +33,27 @@ def even_rows(dim0: int, world: int) -> list[int]:
     return [max(0, min(chunk, dim0 - r * chunk)) for r in range(world)]
 
 
-def reference_qdq(full: torch.Tensor, rows: list[int], block: int) -> torch.Tensor:
-    """``full`` as every rank sees it after an int8 gather, written plainly: each rank's rows
-    (``rows[r]`` of them, padded with zero rows to ``max(rows)``) flattened and cut into blocks
-    of ``block`` elements (the last one short); per block, scale = max |x| / 127 and
-    x -> round(x / scale) as int8, times scale."""
+def block_qdq(x: torch.Tensor, codec: str) -> torch.Tensor:
+    """One block after quantization and dequantization. int8: scale = max |x| / 127 and
+    x -> round(x / scale) as int8, times scale. fp8: scale = max |x| / 448 and x -> x / scale
+    (within +-448) as float8 e4m3, times scale. A block of zeros stays zeros."""
+    scale = x.abs().max() / (448 if codec == "fp8" else 127)
+    if scale == 0:
+        return torch.zeros_like(x)
+    if codec == "fp8":
+        return (x / scale).clamp(-448, 448).to(torch.float8_e4m3fn).float() * scale
+    return torch.round(x / scale).clamp(-127, 127).to(torch.int8).float() * scale
+
+
+def reference_qdq(full: torch.Tensor, rows: list[int], block: int, codec: str = "int8") -> torch.Tensor:
+    """``full`` as every rank sees it after an int8 (or fp8) gather, written plainly: each rank's
+    rows (``rows[r]`` of them, padded with zero rows to ``max(rows)``) flattened and cut into
+    blocks of ``block`` elements (the last one short), each as :func:`block_qdq` leaves it."""
     widest, start, ranks = max(rows), 0, []
     for n in rows:
         mine = torch.cat([full[start:start + n], full.new_zeros(widest - n, *full.shape[1:])])
         start += n
-        pieces = []
-        for x in mine.reshape(-1).split(block):
-            scale = x.abs().max() / 127
-            q = torch.round(x / scale).clamp(-127, 127) if scale > 0 else torch.zeros_like(x)
-            pieces.append(q.to(torch.int8).float() * scale)
+        pieces = [block_qdq(x, codec) for x in mine.reshape(-1).split(block)]
         ranks.append(torch.cat(pieces).view(widest, *full.shape[1:])[:n])
     return torch.cat(ranks)
 
@@ -60,8 +68,8 @@ LAYOUTS = {
 }
 
 
-def _parity(name: str, mode: str, layout: str) -> tuple[float, float]:
-    """On each rank: train ``name`` sharded (``LAYOUTS[layout]``) with int8 gathers on this
+def _parity(name: str, mode: str, layout: str, codec: str = "int8") -> tuple[float, float]:
+    """On each rank: train ``name`` sharded (``LAYOUTS[layout]``) with ``codec`` gathers on this
     rank's slice, and, each step, a single-process copy on the whole batch whose weights are
     the sharded model's, quantized by :func:`reference_qdq`; the largest loss and gradient
     differences."""
@@ -72,7 +80,7 @@ def _parity(name: str, mode: str, layout: str) -> tuple[float, float]:
     model = build(name)
     reference = copy.deepcopy(model)
     shard_kwargs, rows_of = LAYOUTS[layout]
-    autoshard.shard(model, compression=autoshard.Compression(gather="int8", block=BLOCK), **shard_kwargs(world))
+    autoshard.shard(model, compression=autoshard.Compression(gather=codec, block=BLOCK), **shard_kwargs(world))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     run = model if mode == "uncompiled" else torch.compile(model, backend="autoshard", options={"compiler": mode})
     per_rank = GLOBAL_BATCH // world
@@ -86,7 +94,7 @@ def _parity(name: str, mode: str, layout: str) -> tuple[float, float]:
         with torch.no_grad():  # the weights every rank computed with
             for p, q in zip(model.parameters(), reference.parameters(), strict=True):
                 full = autoshard.full_tensor(p)
-                q.copy_(reference_qdq(full, rows_of(full.shape[0], world), BLOCK) if full.dim() > 0 else full)
+                q.copy_(reference_qdq(full, rows_of(full.shape[0], world), BLOCK, codec) if full.dim() > 0 else full)
         reference.zero_grad()
         expected = reference(x, y)
         expected.backward()
@@ -98,14 +106,14 @@ def _parity(name: str, mode: str, layout: str) -> tuple[float, float]:
     return loss_error, grad_error
 
 
-def _all(configs: list[tuple[str, str, str]]) -> dict[tuple[str, str, str], tuple[float, float]]:
+def _all(configs: list[tuple]) -> dict[tuple, tuple[float, float]]:
     return {config: _parity(*config) for config in configs}
 
 
 # Padded shards (uneven), 1-d and 0-d parameters, a tied weight (gpt), uneven state shares, and
-# hybrid sharding, whose gathers run in a group of half the ranks.
+# hybrid sharding, whose gathers run in a group of half the ranks; fp8 gathers (a 4th element).
 PARITY = {2: [(m, mode, "even") for m in ("gpt", "uneven") for mode in ("uncompiled", "aot_eager")]
-          + [("uneven", "aot_eager", "shares")],
+          + [("uneven", "aot_eager", "shares"), ("gpt", "aot_eager", "even", "fp8")],
           4: [("gpt", "aot_eager", "even"), ("uneven", "aot_eager", "even"), ("gpt", "aot_eager", "hybrid")]}
 
 
@@ -127,8 +135,9 @@ def test_int8_gathers_match_one_process_with_the_same_quantized_weights(world_si
 @pytest.mark.slow
 @pytest.mark.inductor
 def test_int8_gathers_match_under_inductor():
-    for errors in run_ranks(2, _all, [("mlp", "inductor", "even")]):
-        assert max(errors[("mlp", "inductor", "even")]) <= TOL, errors
+    for errors in run_ranks(2, _all, [("mlp", "inductor", "even"), ("mlp", "inductor", "even", "fp8")]):
+        bad = {config: e for config, e in errors.items() if max(e) > TOL}
+        assert not bad, f"(loss error, gradient error) above {TOL}: {bad}"
 
 
 def test_the_packed_shard_round_trips_as_the_reference_quantizes():
@@ -141,6 +150,26 @@ def test_the_packed_shard_round_trips_as_the_reference_quantizes():
     assert quantize(x, 8).dtype == torch.int8 and quantize(x, 8).numel() == packed_numel(35, 8) == 35 + 4 * 5
     assert torch.equal(quantize_dequantize(x, 8), reference_qdq(x, [7], 8))
     assert (quantize_dequantize(x, 8) - x).abs().max() <= x.abs().max() / 127 / 2 * 1.0001
+
+
+def test_the_packed_fp8_shard_round_trips_as_the_reference_quantizes():
+    """fp8: the same bytes as int8, the reference's values exactly, NaN-free on a block of zeros
+    and values far beyond 448, and each element within e4m3's rounding: 2^-4 relative (3
+    mantissa bits), or 2^-10 of its block's scale where x / scale is subnormal (< 2^-6)."""
+    from autoshard.runtime.quantize import packed_numel, quantize, quantize_dequantize
+
+    torch.manual_seed(0)
+    x = torch.randn(7, 5) * torch.tensor([1.0, 1e4, 0.0, 1e-3, 3.0])  # |x| up to ~3e4: beyond 448 before scaling
+    x.view(-1)[16:24] = 0.0  # the third block all zeros
+    x[5, 2] = 1e-6  # a subnormal after scaling, next to large values
+    packed = quantize(x, 8, "fp8")
+    assert packed.dtype == torch.int8 and packed.numel() == packed_numel(35, 8) == quantize(x, 8).numel()
+    out = quantize_dequantize(x, 8, codec="fp8")
+    assert torch.equal(out, reference_qdq(x, [7], 8, "fp8")) and not out.isnan().any()
+    assert torch.equal(out.view(-1)[16:24], torch.zeros(8))
+    scales = torch.stack([b.abs().max() / 448 for b in x.reshape(-1).split(8)]).repeat_interleave(8)[:35].view(7, 5)
+    bound = torch.maximum(x.abs() * 2 ** -4, scales * 2 ** -10) * (1 + 1e-6)
+    assert ((out - x).abs() <= bound).all(), ((out - x).abs() - bound).max()
 
 
 # On the wire (fake process group, 4 ranks) -----------------------------------------------------
@@ -170,6 +199,21 @@ def test_lowered_gathers_move_int8_and_at_most_0_3x_the_bytes(mixed_precision):
                                                                           else torch.float32}
 
 
+def test_fp8_gathers_move_the_same_bytes_as_int8_and_int8_graphs_are_unchanged():
+    """fp8 gathers move int8 bytes, as many as int8's; only their quantize and dequantize ops
+    name the codec (int8's calls carry no codec argument: their graphs as before fp8)."""
+    ops = (torch.ops.autoshard.quantize_blocks.default, torch.ops.autoshard.dequantize_blocks.default)
+
+    def codec_args(step) -> set:
+        return {n.args[-1] if isinstance(n.args[-1], str) else None for side in ("forward", "backward")
+                for gm in step.graphs[side] for n in gm.graph.nodes if n.target in ops}
+
+    int8 = compile_step("gpt", world_size=4, compression=autoshard.Compression(gather="int8"))
+    fp8 = compile_step("gpt", world_size=4, compression=autoshard.Compression(gather="fp8"))
+    assert all(v.dtype == torch.int8 for v in _gathers(fp8)) and _bytes(_gathers(fp8)) == _bytes(_gathers(int8)) > 0
+    assert codec_args(int8) == {None} and codec_args(fp8) == {"fp8"}
+
+
 def test_compression_is_off_by_default_and_a_group_of_one_gathers_as_it_is():
     assert autoshard.Compression().gather is None
     step = compile_step("mlp", world_size=1, compression=autoshard.Compression(gather="int8"))
@@ -179,13 +223,21 @@ def test_compression_is_off_by_default_and_a_group_of_one_gathers_as_it_is():
 # Refused, with nothing changed -----------------------------------------------------------------
 
 @pytest.mark.parametrize("kwargs, error", [
-    ({"gather": "int4"}, UsageError), ({"gather": "fp8"}, UsageError), ({"gather": torch.int8}, UsageError),
+    ({"gather": "int4"}, UsageError), ({"gather": "fp4"}, UsageError), ({"gather": torch.int8}, UsageError),
+    ({"reduce": "fp8"}, UsageError), ({"gather": "fp8", "reduce": "fp8"}, UsageError),
     ({"gather": "int8", "block": 4}, UsageError), ({"gather": "int8", "block": 0}, UsageError),
     ({"gather": "int8", "block": 256.0}, UsageTypeError), ({"gather": "int8", "block": True}, UsageTypeError),
 ])
 def test_bad_policies_raise_typed_errors(kwargs, error):
     with pytest.raises(error, match="autoshard.Compression"):
         autoshard.Compression(**kwargs)
+
+
+def test_fp8_gathers_are_refused_where_torch_has_no_float8(monkeypatch):
+    monkeypatch.delattr(torch, "float8_e4m3fn")
+    with pytest.raises(UsageError, match=r"autoshard.Compression: gather='fp8' needs torch.float8_e4m3fn"):
+        autoshard.Compression(gather="fp8")
+    assert autoshard.Compression(gather="int8").gather_block == 256
 
 
 @pytest.mark.parametrize("shard_kwargs, message", [

@@ -364,17 +364,22 @@ def test_explain_can_keep_only_the_stages_its_metrics_read(report):
         assert lean.metrics[key] == report.metrics[key], key
 
 
-def test_the_summary_counts_the_int8_collectives_and_their_bytes(report):
+def test_the_summary_counts_the_8_bit_collectives_and_their_bytes(report):
     """With ``Compression(gather="int8", reduce="int8")`` the summary says how many gathers and
-    reductions move int8 and their bytes, which add up to the step's bytes; without, no row."""
+    reductions move 8-bit values and their bytes, which add up to the step's bytes; without, no
+    row. fp8 gathers move the same bytes and are counted alike."""
     assert not [row for row in report.summary_rows() if row[0].startswith("compressed")]
     ids = torch.zeros(2, 32, dtype=torch.long)
     int8 = autoshard.Compression(gather="int8", reduce="int8")
     compressed = autoshard.explain(lambda: autoshard.shard(build_model(), compression=int8), ids, ids, world_size=8, profile="h100")
     rows = dict(compressed.summary_rows())
-    found = re.fullmatch(r"int8 gathers (\d+) \((.+)\), int8 reductions (\d+) \((.+)\)", rows["compressed collectives per step"])
+    found = re.fullmatch(r"8-bit gathers (\d+) \((.+)\), 8-bit reductions (\d+) \((.+)\)", rows["compressed collectives per step"])
     assert found, rows["compressed collectives per step"]
     metrics = compressed.metrics
     assert int(found[1]) == metrics["collectives"]["all_gather"] and int(found[3]) >= 1
     assert found[2] == fmt_bytes(metrics["comm_bytes"]["all_gather"])
     assert metrics["comm_bytes"]["all_gather"] < 0.3 * report.metrics["comm_bytes"]["all_gather"]
+    fp8 = autoshard.Compression(gather="fp8", reduce="int8")
+    as_fp8 = autoshard.explain(lambda: autoshard.shard(build_model(), compression=fp8), ids, ids, world_size=8, profile="h100")
+    assert as_fp8.metrics["comm_bytes"]["all_gather"] == metrics["comm_bytes"]["all_gather"]
+    assert dict(as_fp8.summary_rows())["compressed collectives per step"] == rows["compressed collectives per step"]

@@ -13,6 +13,9 @@ of a float reduce-scatter, cut into the chunks each rank would receive, each chu
 alike (block-wise int8, float32 scales, one packed tensor), exchanged by one all-to-all, and
 dequantized and averaged in float32 on the receiving rank (:mod:`autoshard.runtime.quantize`).
 Lossy, so never a default: ``Compression()`` compresses nothing.
+
+``Compression(gather="fp8")``: as ``"int8"``, the values float8 e4m3 (scale: absmax / 448)
+moved as their bytes, so the same bytes on the wire; more range per block, less precision.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ import torch
 
 from autoshard.runtime.errors import UsageError, UsageTypeError
 
-GATHERS = (None, "int8")  # what `gather` takes; None: the parameter's (or param_dtype's) bytes
+GATHERS = (None, "int8", "fp8")  # what `gather` takes; None: the parameter's (or param_dtype's) bytes
 REDUCES = (None, "int8")  # what `reduce` takes; None: reduce_dtype's (or the gradient's) bytes
 MIN_BLOCK = 8  # below this, the scales (4 bytes per block) outweigh what int8 saves
 
@@ -32,8 +35,9 @@ class Compression:
     """``autoshard.shard(model, compression=Compression(gather="int8", reduce="int8", block=256))``.
 
     gather: ``"int8"``: parameters are gathered as int8 with block-wise absmax scales
-        (float32, sent in the same collective), dequantized after the gather; None: as today
-        (``param_dtype``, or the parameter's dtype).
+        (float32, sent in the same collective), dequantized after the gather; ``"fp8"``: the
+        same with float8 e4m3 values (scale absmax / 448; needs ``torch.float8_e4m3fn``);
+        None: as today (``param_dtype``, or the parameter's dtype).
     reduce: ``"int8"``: gradients are reduced by an all-to-all of int8 chunks (one per
         destination rank, quantized block-wise like a gather's shard), dequantized and
         averaged in float32 on the receiving rank; None: as today (a reduce-scatter in
@@ -50,10 +54,14 @@ class Compression:
     def __post_init__(self) -> None:
         if self.gather not in GATHERS:
             raise UsageError(f"autoshard.Compression: gather must be one of {GATHERS}, got {self.gather!r}; "
-                             "pass gather='int8' to gather int8 weights, or None to gather them uncompressed.")
+                             "pass gather='int8' (or 'fp8') to gather 8-bit weights, or None to gather them uncompressed.")
+        if self.gather == "fp8" and not hasattr(torch, "float8_e4m3fn"):
+            raise UsageError(f"autoshard.Compression: gather='fp8' needs torch.float8_e4m3fn, which torch {torch.__version__} "
+                             "does not have; pass gather='int8', or use a torch release with float8 dtypes.")
         if self.reduce not in REDUCES:
             raise UsageError(f"autoshard.Compression: reduce must be one of {REDUCES}, got {self.reduce!r}; "
-                             "pass reduce='int8' to reduce int8 gradients, or None to reduce them uncompressed.")
+                             "pass reduce='int8' to reduce int8 gradients, or None to reduce them uncompressed "
+                             "(float8 is offered for gathers only: gather='fp8').")
         if isinstance(self.block, bool) or not isinstance(self.block, int):
             raise UsageTypeError(f"autoshard.Compression: block must be a whole number of elements, got {self.block!r}; "
                                  "pass e.g. block=256.")
@@ -64,7 +72,7 @@ class Compression:
     @property
     def gather_block(self) -> int:
         """Elements per scale of a quantized gather; 0: gathers are not quantized."""
-        return self.block if self.gather == "int8" else 0
+        return self.block if self.gather is not None else 0
 
     @property
     def reduce_block(self) -> int:

@@ -30,6 +30,8 @@ Arguments shared by the ops:
 * ``quant_block``: 0 normally. Under ``autoshard.Compression(gather="int8")``, the elements per
   scale: the padded shard is gathered as int8 blocks and dequantized to ``param_dtype`` (or its
   own dtype) after the gather (:mod:`autoshard.runtime.quantize`); the backward is unchanged.
+  ``quant_codec``: how those blocks' values are encoded, ``"int8"`` (the default, left out of
+  the graphs) or ``"fp8"`` (float8 e4m3 bytes, ``Compression(gather="fp8")``).
 * ``node_group`` / ``node_size``: "" and 0 normally. Under ``reshard_after_forward=G`` (an
   int), this rank's node group and G: the backward gathers within the node (``passes/hpz.py``).
 * ``reduce_block``: 0 normally. Under ``autoshard.Compression(reduce="int8")``, the elements
@@ -136,7 +138,7 @@ def unshard(  # one line per group of arguments (see the module docstring)
     shard: torch.Tensor, group_name: str, world_size: int, dim0: int, reshard: Optional[bool], name: str,
     sink: Optional[torch.Tensor], param_dtype: Optional[torch.dtype], reduce_dtype: Optional[torch.dtype],
     replica_group: str, replicas: int, rows: Optional[list[int]] = None, quant_block: int = 0, reduce_block: int = 0,
-    node_group: str = "", node_size: int = 0,
+    node_group: str = "", node_size: int = 0, quant_codec: str = "int8",
 ) -> torch.Tensor:
     """All-gather ``shard`` (this rank's rows of a ``dim0``-row parameter), cast to
     ``param_dtype`` first (or, with ``quant_block``, quantized and dequantized to it after the
@@ -153,9 +155,10 @@ def unshard(  # one line per group of arguments (see the module docstring)
     chunk = max(rows) if rows else chunk_rows(dim0, world_size)
     if quant_block:
         padded = pad_rows(shard, chunk)  # [chunk, ...], in the shard's dtype
-        packed = quantize.quantize(padded, quant_block)  # int8 [nb * (block + 4)]
+        packed = quantize.quantize(padded, quant_block, quant_codec)  # int8 [nb * (block + 4)]
         moved = c10d.wait_tensor(c10d.all_gather_into_tensor(packed, world_size, group_name))
-        gathered = quantize.dequantize_blocks(moved, world_size, quant_block, list(padded.shape), param_dtype or shard.dtype)
+        gathered = quantize.dequantize_blocks(moved, world_size, quant_block, list(padded.shape), param_dtype or shard.dtype,
+                                              quant_codec)
     else:
         padded = pad_rows(_cast(shard, param_dtype), chunk).contiguous()
         gathered = c10d.wait_tensor(c10d.all_gather_into_tensor(padded, world_size, group_name))
@@ -164,7 +167,7 @@ def unshard(  # one line per group of arguments (see the module docstring)
 
 @unshard.register_fake
 def _unshard_fake(shard, group_name, world_size, dim0, reshard, name, sink, param_dtype, reduce_dtype, replica_group, replicas,
-                  rows=None, quant_block=0, reduce_block=0, node_group="", node_size=0):
+                  rows=None, quant_block=0, reduce_block=0, node_group="", node_size=0, quant_codec="int8"):
     return new_empty(shard, (dim0, *shard.shape[1:]), param_dtype or shard.dtype)
 
 

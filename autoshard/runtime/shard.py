@@ -127,7 +127,7 @@ def _describe(owners: Owners, layouts: Layouts, strategy: str, mesh: DeviceMesh,
         for name, spec in specs.items():
             param = mod._parameters[name]
             items.append((spec.name, tuple(param.shape), str(param.dtype), param.requires_grad, spec.dim0, spec.reshard,
-                          id(param) in layouts, spec.rows, spec.quant_block, spec.reduce_block, spec.node_size))
+                          id(param) in layouts, spec.rows, spec.quant_block, spec.reduce_block, spec.node_size, spec.quant_codec))
     return items
 
 
@@ -366,7 +366,8 @@ def _plan(
             reduce_block = reduce_block_for(param, compression) if splits and groups["world_size"] > 1 else 0
             specs[name] = ParamSpec(
                 dim0=dim0, reshard=reshard if splits else False, name=fqn, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                rows=rows, quant_block=quant_block, reduce_block=reduce_block, node_size=node_size if splits else 0, **groups
+                rows=rows, quant_block=quant_block, reduce_block=reduce_block, node_size=node_size if splits else 0,
+                quant_codec=compression.gather if quant_block else "int8", **groups
             )
         if specs:
             owners.append((mod, specs))

@@ -49,6 +49,8 @@ class ParamSpec:
     # group of this rank's node and its size G; "" and 0: none.
     node_group: str = ""
     node_size: int = 0
+    # Compression: how a quantized gather encodes its values, "int8" or "fp8" (float8 e4m3 bytes).
+    quant_codec: str = "int8"
     # The annotation op and its arguments before and after ``sink``, built once: a parameter
     # use then loads an op and two tuples of constants, which Dynamo traces much faster than
     # ten attributes.
@@ -61,9 +63,10 @@ class ParamSpec:
         # The ops' overloads themselves: calling their Python wrappers costs Dynamo a frame each.
         object.__setattr__(self, "op", ops.REPLICATE if self.dim0 < 0 else ops.UNSHARD)
         object.__setattr__(self, "head", (self.group_name, *shape, self.name))
-        # Left out at their defaults (even rows, no compression, no node group): the op's
+        # Left out at their defaults (even rows, no compression, no node group, int8): the op's
         # defaults, the graphs unchanged.
-        rows = [self.rows or None, self.quant_block, self.reduce_block, self.node_group, self.node_size]
+        codec = None if self.quant_codec == "int8" else self.quant_codec
+        rows = [self.rows or None, self.quant_block, self.reduce_block, self.node_group, self.node_size, codec]
         while rows and rows[-1] in (None, 0, ""):
             rows.pop()
         object.__setattr__(self, "tail", (self.param_dtype, self.reduce_dtype, self.replica_group, self.replicas, *rows))

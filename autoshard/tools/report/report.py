@@ -204,15 +204,16 @@ class Report:
         return rows + [("utilisation variance across rank types", f"{sum((u - mean) ** 2 for u in util) / len(util):.4f}")]
 
     def _compression_rows(self) -> list[tuple[str, str]]:
-        """Collectives that move int8 (``autoshard.Compression``): how many per step and their
-        bytes, gathers and reductions apart; none without compression."""
+        """Collectives that move 8-bit packed values (``autoshard.Compression``'s int8 or fp8,
+        both moved as int8 bytes): how many per step and their bytes, gathers and reductions
+        apart; none without compression."""
         found = {"gathers": Counter(), "reductions": Counter()}
         for side in ("forward", "backward"):
             for node in self.stages[side].graph.nodes if side in self.stages else ():
                 kind = "gathers" if collective_kind(node) == "all_gather" else "reductions" if is_exchange(node) else None
                 if kind and isinstance(node.args[0], fx.Node) and val(node.args[0]).dtype == torch.int8:
                     found[kind].update(n=1, bytes=nbytes(node))
-        text = [f"int8 {k} {c['n']} ({fmt_bytes(c['bytes'])})" for k, c in found.items() if c]
+        text = [f"8-bit {k} {c['n']} ({fmt_bytes(c['bytes'])})" for k, c in found.items() if c]
         return [("compressed collectives per step", ", ".join(text))] if text else []
 
     def _energy_rows(self) -> list[tuple[str, str]]:
