@@ -1,13 +1,13 @@
 """Every PyTorch internal autoshard touches, in one place: a new torch release is a change here.
 
 The Inductor overlap scheduler's patches and Inductor's compiler entry points live in
-:mod:`autoshard._compat.inductor`; everything is imported from ``autoshard._compat``."""
+:mod:`autoshard._compat.inductor`, the partitioner's save/recompute tags in
+:mod:`autoshard._compat.recompute`; everything is imported from ``autoshard._compat``."""
 from __future__ import annotations
 
 import contextlib
 import importlib
 import logging
-import operator
 import os
 import sys
 from typing import Any, Callable, Iterator, Sequence
@@ -30,7 +30,6 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, in_kernel_
 from torch.distributed.distributed_c10d import _get_default_store as default_store
 from torch.distributed.distributed_c10d import _resolve_process_group as resolve_process_group
 from torch.utils._pytree import tree_leaves, tree_map, tree_map_only
-from torch.utils.checkpoint import CheckpointPolicy
 
 from autoshard._compat.inductor import (
     compile_fx,
@@ -40,6 +39,7 @@ from autoshard._compat.inductor import (
     remove_noop_ops,
     schedule_overlap_bucketing,
 )
+from autoshard._compat.recompute import must_recompute, must_save, recompute_region, save_random_ops_in_checkpoints
 
 try:
     from torch.fx.experimental.symbolic_shapes import optimization_hint
@@ -50,6 +50,10 @@ except ImportError:
     from torch.fx.experimental.symbolic_shapes import size_hint as optimization_hint
 
 __all__ = [
+    "must_recompute",
+    "must_save",
+    "recompute_region",
+    "save_random_ops_in_checkpoints",
     "patch_overlap_scheduler",
     "overlap_scheduler_state",
     "schedule_overlap_bucketing",
@@ -221,43 +225,6 @@ def boxed(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     gm.graph.set_codegen(torch.fx.graph._BoxedCodeGen())
     gm.recompile()
     return gm
-
-
-def must_recompute(node: torch.fx.Node, graph_id: int) -> None:
-    """Tag a joint-graph node so the partitioner recomputes it in backward, never saves it."""
-    node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
-    node.meta["ac_graph_id"] = graph_id
-
-
-def must_save(node: torch.fx.Node) -> None:
-    """Tag a joint-graph node so the partitioner saves it for backward, never recomputes it."""
-    node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
-
-
-def recompute_region(node: torch.fx.Node) -> int | None:
-    """The region id of a node tagged MUST_RECOMPUTE, else None."""
-    return node.meta.get("ac_graph_id") if node.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE else None
-
-
-def save_random_ops_in_checkpoints(joint: torch.fx.GraphModule) -> None:
-    """Tag random ops (dropout, scaled_dot_product_attention) inside activation-checkpointed
-    regions of a joint graph to be saved, not recomputed.
-
-    Recomputing a random op makes the partitioner save its RNG state for backward, and in
-    torch 2.13 it appends those states after the opaque objects the forward saves (a DTensor
-    parameter's DeviceMesh, which every sharded model has), breaking AOT autograd's calling
-    convention: the forward fails at run time with "expected all
-    tensors_saved_with_vc_check to be Tensors". Saving the op's outputs needs no RNG replay
-    and is exact; it costs their memory (for attention, the output and log-sum-exp of the
-    region, as selective activation checkpointing commonly does).
-    """
-    recompute = (CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE)
-    for node in joint.graph.nodes:
-        random = node.op == "call_function" and torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
-        if random and node.meta.get("recompute") in recompute:
-            # A tuple result is saved through its getitems.
-            for saved in [node, *(u for u in node.users if u.target is operator.getitem)]:
-                saved.meta["recompute"] = CheckpointPolicy.MUST_SAVE
 
 
 _DEVICE_MESH_MODULE = "torch.distributed.device_mesh"
