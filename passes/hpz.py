@@ -34,7 +34,7 @@ from autoshard._compat import c10d, must_recompute, must_save
 from autoshard.runtime.hpz import NODE_SLICE
 
 from .graph_utils import PARAMS, call, is_view, positions
-from .keep import _turn
+from .keep import backward_start
 
 WORLD_GATHERED = "autoshard_hpz_world"  # meta: on the forward's padded gather result, its parameter's name
 NODE_GATHERED = "autoshard_hpz_node"  # meta: on the node gather's wait, its parameter's name
@@ -72,7 +72,7 @@ def gather_within_nodes(graph: fx.Graph, params: list[NodeGathered]) -> None:
         return
     nodes = list(graph.nodes)
     order = positions(nodes)
-    turn = _turn(nodes, order)
+    turn = backward_start(nodes, order)
     for p in params:
         forward = [n for n in [p.full, *view_chain(p.full)] if order.get(n, turn) < turn]
         in_forward = set(forward)

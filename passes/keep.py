@@ -50,7 +50,7 @@ def needed_first(gathers: dict[str, fx.Node], order: dict[fx.Node, int]) -> set[
     return {name for name in used if first_use[name] >= start}
 
 
-def _turn(nodes: list[fx.Node], order: dict[fx.Node, int]) -> int:
+def backward_start(nodes: list[fx.Node], order: dict[fx.Node, int]) -> int:
     """The joint graph's first backward position: its first use of a tangent (AOT autograd
     traces the backward after the forward, the views it takes of saved values included)."""
     uses = [order[u] for n in nodes if n.op == "placeholder" and n.name.startswith("tangents") for u in n.users]
@@ -70,7 +70,7 @@ class _LiveBytes:
         nodes = list(graph.nodes)
         self.size = len(nodes) + 1
         order = {n: i for i, n in enumerate(nodes)}
-        turn = _turn(nodes, order)
+        turn = backward_start(nodes, order)
         roots = storage_roots(graph)
         uses: dict[fx.Node, list[int]] = {}
         for n in nodes:

@@ -174,11 +174,6 @@ def _lower_all_reduce_grad(graph: fx.Graph, node: fx.Node) -> fx.Node:
     return _cast(graph, grad, a["out_dtype"])
 
 
-# The views and dtype casts hanging off a full value are tagged with it: the partitioner
-# would otherwise save them (a transposed full weight is as large as the weight).
-_view_chain = view_chain
-
-
 def lower_annotations(gm: fx.GraphModule, reshard_after_forward: bool | None = None,
                       budget_bytes: int | None = None, keep_at_most: int | None = None) -> fx.GraphModule:
     """Replace every autoshard annotation op with c10d functional collectives.
@@ -243,7 +238,7 @@ def lower_annotations(gm: fx.GraphModule, reshard_after_forward: bool | None = N
                 continue
         replacer.replace(node, out)
         if recompute:
-            for n in recompute + _view_chain(out):
+            for n in recompute + view_chain(out):  # else the partitioner saves a view as large as the weight
                 must_recompute(n, _AC_GRAPH_ID_BASE + i)
     replacer.finish()  # the output reads the lowered nodes: the liveness the keeping reads
     gather_within_nodes(graph, within_nodes)  # passes/hpz.py
@@ -253,7 +248,7 @@ def lower_annotations(gm: fx.GraphModule, reshard_after_forward: bool | None = N
     gm.meta[KEPT_BLOCKS] = extra_blocks(kept, fulls, order)
     for name, (i, full, created) in undecided.items():
         if name not in kept:
-            for n in created + _view_chain(full):
+            for n in created + view_chain(full):
                 must_recompute(n, _AC_GRAPH_ID_BASE + i)
     graph.lint()
     gm.recompile()
