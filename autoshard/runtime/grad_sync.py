@@ -32,12 +32,12 @@ SYNC = leaves.SYNC  # on each module owning sharded parameters: whether backward
 SINKS = "_autoshard_sinks"  # on the same modules: parameter name -> sink tensor
 
 
-def _sink(param: nn.Parameter, dtype: torch.dtype) -> torch.Tensor:
+def _sink(param: nn.Parameter, spec: Any, dtype: torch.dtype) -> torch.Tensor:
     """A leaf of the full parameter's shape that autograd can accumulate into, holding one
     element (stride 0): memory is spent only on the gradient it receives."""
     existing = getattr(param, "_autoshard_sink", None)  # shared by every module using param (tied)
     if existing is None or existing.dtype != dtype:
-        existing = leaves.one_element(param.shape, dtype, param.device).requires_grad_(True)
+        existing = leaves.one_element(leaves.gathered_shape(param, spec), dtype, param.device).requires_grad_(True)
         param._autoshard_sink = existing
     return existing
 
@@ -130,7 +130,7 @@ def set_requires_gradient_sync(modules: Iterable[nn.Module], requires_gradient_s
             sinks = {}
             for name, spec in module._autoshard_specs.items():
                 param = module._parameters[name]
-                sinks[name] = _sink(param, spec.reduce_dtype or spec.param_dtype or param.dtype)
+                sinks[name] = _sink(param, spec, spec.reduce_dtype or spec.param_dtype or param.dtype)
             setattr(module, SINKS, sinks)
     for module in owners:
         setattr(module, SYNC, requires_gradient_sync)

@@ -118,7 +118,7 @@ def _build(param: nn.Parameter, spec: Any) -> Leaves:
     # parameter; the backend gives the graph the leaf instead and gathers it (compiler/ghosts.py).
     # NaN: a graph that computed with the ghost itself would say so.
     dtype = spec.param_dtype or param.dtype
-    ghost = one_element(param.shape, dtype, local.device, float("nan") if dtype.is_floating_point else 0.0)
+    ghost = one_element(gathered_shape(param, spec), dtype, local.device, float("nan") if dtype.is_floating_point else 0.0)
     ghost.requires_grad_(param.requires_grad)
     # Static, as parameters are: a frame reading it (a getter compiled on its own, after its
     # caller was skipped) recompiled for another parameter's shape must not become one graph for
@@ -128,6 +128,12 @@ def _build(param: nn.Parameter, spec: Any) -> Leaves:
     setattr(ghost, GHOST, leaves)
     setattr(param, _ON_PARAM, leaves)
     return leaves
+
+
+def gathered_shape(param: nn.Parameter, spec: Any) -> tuple[int, ...]:
+    """The shape a forward gathers ``param`` to: its own, or its tp-local piece's under tensor
+    parallelism (autoshard/runtime/tensor_parallel.py)."""
+    return param.shape if spec.tp is None else spec.tp.local_shape
 
 
 def synced(leaves: Leaves) -> nn.Parameter:

@@ -18,6 +18,7 @@ in ``module._parameters``.
 """
 from __future__ import annotations
 
+import functools
 import warnings
 from dataclasses import replace
 from typing import Any
@@ -26,10 +27,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Placement
+from torch.distributed.tensor import DTensor, Placement, Replicate
 
+from autoshard._compat.dtensor import root_mesh
 from autoshard.runtime import experts as expert_parallelism
-from autoshard.runtime import grad_sync, hpz, leaves
+from autoshard.runtime import grad_sync, hpz, leaves, tensor_parallel
 from autoshard.runtime.batch_shares import normalize, note_uneven_shares, set_batch_shares
 from autoshard.runtime.compression import Compression, check_compression, gather_block_for, reduce_block_for
 from autoshard.runtime.errors import UsageError
@@ -42,6 +44,7 @@ from autoshard.runtime.sharded import (  # re-exported: imported from here befor
     ShardedModule,
     _reclass,
     is_sharded,
+    note_tensor_parallel,
     parameters_as_shards,
 )
 from autoshard.runtime.state_shares import split_rows
@@ -184,9 +187,9 @@ def _check(
     if not dist.is_initialized():
         raise UsageError("autoshard.shard: a mesh was given but no process group is initialised; call init_process_group first "
                          "(or pass no mesh to run as one process).")
-    if mesh.size() != dist.get_world_size():
+    if root_mesh(mesh).size() != dist.get_world_size():  # a submesh (tensor parallelism): its whole mesh
         raise UsageError(
-            f"autoshard.shard: mesh has {mesh.size()} ranks but the process group has {dist.get_world_size()}; "
+            f"autoshard.shard: mesh has {root_mesh(mesh).size()} ranks but the process group has {dist.get_world_size()}; "
             "pass a mesh over all ranks, e.g. init_device_mesh(device_type, (world_size,))."
         )
 
@@ -307,7 +310,9 @@ def shard(
     # Plan every new parameter, agree, build them all, then install: nothing is half-applied.
     found = expert_parallelism.plan(module, mesh) if experts == "parallel" else []
     skip = {id(p) for _, m in found for p in m.parameters(recurse=False)}
-    layouts, owners = _plan(module, mesh, strategy, reshard_after_forward, mixed_precision, skip, fractions, compression, node_size)
+    composed = tensor_parallel.composition(module, mesh, strategy, _SPEC, fractions, node_size, compression, found)
+    layouts, owners = _plan(module, mesh, strategy, reshard_after_forward, mixed_precision, skip, fractions, compression, node_size,
+                            composed)
     # Ranks that built different models would otherwise hang or train apart: fail alike first.
     described = _describe(owners, layouts, strategy, mesh, mixed_precision, compression) + expert_parallelism.describe(found)
     described.insert(0, ("state_shares", None if fractions is None else [str(f) for f in fractions]))
@@ -317,10 +322,13 @@ def shard(
         owners = [(m, {n: replace(s, node_group=group) if s.node_size and not s.node_group else s for n, s in specs.items()})
                   for m, specs in owners]
     expert_parallelism.install(found, mesh)
-    sharded = {key: nn.Parameter(to_dtensor(param, mesh, placements, rows), requires_grad=param.requires_grad)
+    build = functools.partial(composed.to_dtensor, dp_mesh=mesh) if composed else functools.partial(to_dtensor, mesh=mesh)
+    sharded = {key: nn.Parameter(build(param, placements=placements, rows=rows), requires_grad=param.requires_grad)
                for key, (param, placements, rows) in layouts.items()}
     if fractions is not None:
         note_uneven_shares()  # ranks hold other shard shapes: they take rank 0's compile decisions
+    if composed:
+        note_tensor_parallel()
     _install(module, owners, sharded, mixed_precision)
     if batch_shares is not None:
         set_batch_shares(module, batch_shares)
@@ -330,6 +338,7 @@ def shard(
 def _plan(
     module: nn.Module, mesh: DeviceMesh, strategy: str, reshard: bool | None, mixed_precision: MixedPrecision | None,
     skip: set[int] = frozenset(), fractions: tuple | None = None, compression: Compression | None = None, node_size: int = 0,
+    composed: tensor_parallel.Composition | None = None,
 ) -> tuple[Layouts, Owners]:
     """(each new parameter's placements by id, each owning module's specs), changing nothing."""
     groups, split, replicated = layout(mesh, strategy)
@@ -348,18 +357,18 @@ def _plan(
             # A parameter shared with a module sharded earlier (a tied head whose embedding
             # was sharded first) is replaced by that shard.
             param = getattr(param, _SHARDED_AS, param)
-            if isinstance(param, DTensor):
-                if not hasattr(param, _SPEC):
-                    raise UsageError(
-                        f"autoshard.shard: parameter {fqn!r} is a DTensor that autoshard did not create; "
-                        "pass a module with plain parameters."
-                    )
+            if hasattr(param, _SPEC):
                 specs[name] = replace(getattr(param, _SPEC), name=fqn)
                 continue
+            # Tensor-parallel (composition() found every such DTensor): gathered to its tp-local piece.
+            tp = composed.tensor_parallel(fqn, param) if isinstance(param, DTensor) else None
             splits = param.dim() > 0 and strategy != "replicate"
-            dim0 = param.shape[0] if splits else -1
+            dim0 = (tp.local_shape if tp else param.shape)[0] if splits else -1
             rows = split_rows(dim0, fractions) if splits and fractions else ()
-            layouts[id(param)] = (param, split if splits else replicated, rows)
+            placements = split if splits else replicated
+            if composed:
+                placements = composed.placements(placements, tp.placements[0] if tp else Replicate())
+            layouts[id(param)] = (param, placements, rows)
             param_dtype, reduce_dtype = dtypes_for(param, mixed_precision)
             # Only where a gather moves bytes: a group of one rank gathers nothing.
             quant_block = gather_block_for(param, compression) if splits and groups["world_size"] > 1 else 0
@@ -367,7 +376,7 @@ def _plan(
             specs[name] = ParamSpec(
                 dim0=dim0, reshard=reshard if splits else False, name=fqn, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                 rows=rows, quant_block=quant_block, reduce_block=reduce_block, node_size=node_size if splits else 0,
-                quant_codec=compression.gather if quant_block else "int8", **groups
+                quant_codec=compression.gather if quant_block else "int8", tp=tp, **groups
             )
         if specs:
             owners.append((mod, specs))

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from autoshard.runtime import grad_scale, grad_sync, leaves, ops
+from autoshard.runtime.tensor_parallel import as_tensor_parallel
 
 _SHARDED = "_autoshard_root"  # set on every module passed to shard()
 
@@ -51,6 +52,9 @@ class ParamSpec:
     node_size: int = 0
     # Compression: how a quantized gather encodes its values, "int8" or "fp8" (float8 e4m3 bytes).
     quant_codec: str = "int8"
+    # Tensor parallelism under it (autoshard/runtime/tensor_parallel.py): the gathered tp-local
+    # tensor is read as this DTensor layout; None: the gathered tensor is the parameter.
+    tp: Any = None
     # The annotation op and its arguments before and after ``sink``, built once: a parameter
     # use then loads an op and two tuples of constants, which Dynamo traces much faster than
     # ten attributes.
@@ -129,6 +133,7 @@ class ShardedModule:
 # Inside parameters_as_shards(): a global, not a module attribute, so that entering and leaving
 # changes nothing Dynamo guards on in a compiled model.
 _as_shards = 0
+_tensor_parallel = False  # set once any module is sharded over tensor parallelism (note_tensor_parallel)
 _is_compiling = torch.compiler.is_compiling  # a global: one attribute lookup less per traced read
 _alias = torch.ops.aten.alias.default
 
@@ -152,14 +157,18 @@ def _getter(name: str) -> Callable[[nn.Module], torch.Tensor]:
                 # Through an op, not the ghost itself: a read that reaches code Dynamo does not
                 # trace (a graph break's call) is then the graph's output, gathered, rather than
                 # the ghost loaded back from this attribute. The capture removes the op.
-                return _alias(ghost)
+                if not _tensor_parallel:  # a global: no spec lookup per traced read without it
+                    return _alias(ghost)
+                tp = self._autoshard_specs[name].tp
+                return _alias(ghost) if tp is None else as_tensor_parallel(_alias(ghost), tp)
             leaf = getattr(self, leaf_attribute)  # synced as the root's forward was traced (_checked_forward)
         else:
             leaf = leaves.synced(leaves.leaves_of(self, name))
         spec = self._autoshard_specs[name]
         # Python constants that Dynamo guards on: one compiled variant per setting.
         sink = None if getattr(self, sync) or not leaf.requires_grad else getattr(self, sinks)[name]
-        return spec.op(leaf, *spec.head, sink, *spec.tail)
+        full = spec.op(leaf, *spec.head, sink, *spec.tail)
+        return full if spec.tp is None else as_tensor_parallel(full, spec.tp)
 
     return get
 
@@ -206,6 +215,12 @@ def _sharded_class(cls: type, names: tuple[str, ...], root: bool = False) -> typ
         sub = type(f"Sharded{cls.__name__}", (cls, ShardedModule), props)
         _subclasses[key], _base_of[sub] = sub, cls
     return _subclasses[key]
+
+
+def note_tensor_parallel() -> None:
+    """Some sharded parameter is tensor-parallel: traced reads look up its layout."""
+    global _tensor_parallel
+    _tensor_parallel = True
 
 
 @contextmanager

@@ -1,0 +1,154 @@
+"""Fully sharded data parallel on top of DTensor tensor parallelism (a 2-D mesh).
+
+The user parallelises first, then shards, as with FSDP2::
+
+    mesh = init_device_mesh("cuda", (dp, tp), mesh_dim_names=("dp", "tp"))
+    parallelize_module(model, mesh["tp"], plan)     # parameters: DTensors on mesh["tp"]
+    autoshard.shard(model, mesh["dp"])              # parameters: DTensors on the whole mesh
+
+Each tensor-parallel parameter keeps its ``tp`` placement; ``shard`` cuts this rank's
+tensor-parallel piece (the *tp-local* tensor) by rows over ``dp`` and stores the result as a
+DTensor on the root mesh, whose placements say so: ``dp`` adds ``Shard(0)``, or, where ``tp``
+already shards dim 0 and ``dp`` comes first in the mesh, ``_StridedShard(0, split_factor=tp)``
+(tp pieces first, each cut over dp: FSDP2's layout, so checkpoints and ``full_tensor`` read it
+right). A plain parameter (not parallelised) becomes ``(Shard(0), Replicate())``: every
+parameter lives on one mesh, so ``clip_grad_norm_`` and optimizers see one mesh.
+
+A forward gathers a tp-local tensor over ``dp`` only (the usual annotation op, the ``dp``
+group) and reads it as the DTensor ``parallelize_module`` made (:func:`as_tensor_parallel`):
+the module's own DTensor code then runs the tensor-parallel collectives where DTensor puts
+them, and their gradients reach the gather's backward as tp-local tensors (a ``Partial``
+gradient of a ``Replicate`` parameter summed over ``tp`` by DTensor first), which
+reduce-scatters over ``dp``. Gradients are averaged over ``dp`` only: the ``tp`` ranks of a
+``dp`` rank see the same batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+
+from autoshard._compat.dtensor import StridedShard, dtensor_local_shape, root_mesh
+from autoshard.runtime.errors import UsageError
+from autoshard.runtime.layout import local_chunk
+
+__all__ = ["Composition", "TensorParallel", "as_tensor_parallel", "composition"]
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """How a gathered tp-local tensor is read: as the DTensor ``parallelize_module`` made."""
+
+    mesh: DeviceMesh  # the tensor-parallel mesh
+    placements: tuple[Placement, ...]
+    shape: tuple[int, ...]  # global
+    stride: tuple[int, ...]
+    local_shape: tuple[int, ...]  # what the data-parallel gather returns on this rank
+
+
+def as_tensor_parallel(local: torch.Tensor, tp: TensorParallel) -> DTensor:
+    """The gathered tp-local ``local`` as its tensor-parallel DTensor (no communication)."""
+    return DTensor.from_local(local, tp.mesh, tp.placements, run_check=False, shape=tp.shape, stride=tp.stride)
+
+
+def _foreign(module: nn.Module, ours: str) -> list[tuple[str, nn.Parameter]]:
+    """Parameters that are DTensors autoshard did not make (``ours``: the attribute its own carry)."""
+    return [(n, p) for n, p in module.named_parameters(remove_duplicate=True)
+            if isinstance(p, DTensor) and not hasattr(p, ours) and not hasattr(p, "_autoshard_expert")]
+
+
+@dataclass(frozen=True)
+class Composition:
+    """The data-parallel mesh ``dp`` inside the root mesh it shares with the tensor-parallel one."""
+
+    root: DeviceMesh
+    dp_dims: tuple[int, ...]  # the root's dims that make up dp, in dp's order
+    tp_dim: int
+
+    def placements(self, dp_placements: Iterable[Placement], tp_placement: Placement = Replicate()) -> list[Placement]:
+        """Placements on the root: ``dp_placements`` (one per dp dim, as ``layout`` gives them
+        for a 1-D or 2-D dp mesh) on dp's dims, ``tp_placement`` on tp's. A dp ``Shard(0)``
+        over a dim 0 that ``tp`` shards later in the mesh order is strided (see the module
+        docstring)."""
+        out: list[Placement] = [Replicate()] * self.root.ndim
+        out[self.tp_dim] = tp_placement
+        tp_size = self.root.size(self.tp_dim)
+        for dim, placement in zip(self.dp_dims, dp_placements, strict=True):
+            if isinstance(placement, Shard) and _shards_dim0(tp_placement) and dim < self.tp_dim:
+                placement = StridedShard(0, split_factor=tp_size)
+            out[dim] = placement
+        return out
+
+    def tensor_parallel(self, fqn: str, param: DTensor) -> TensorParallel:
+        """``param``'s tensor-parallel layout, refused where it cannot be sharded over dp."""
+        (placement,) = param.placements  # 1-D: checked by composition()
+        if isinstance(placement, StridedShard) or not isinstance(placement, (Shard, Replicate)):
+            raise UsageError(f"autoshard.shard: parameter {fqn!r} is laid out {placement} over tp; autoshard composes with "
+                             "Shard and Replicate tensor-parallel parameters (ColwiseParallel, RowwiseParallel, "
+                             "SequenceParallel); split a fused projection into separate ones or leave it unparallelised.")
+        if param.dim() == 0:
+            raise UsageError(f"autoshard.shard: parameter {fqn!r} is a 0-d DTensor over tp; leave it a plain parameter.")
+        return TensorParallel(param.device_mesh, tuple(param.placements), tuple(param.shape), tuple(param.stride()),
+                              tuple(param.to_local().shape))
+
+    def to_dtensor(self, param: nn.Parameter, placements: list[Placement], dp_mesh: DeviceMesh, rows: tuple[int, ...] = ()) -> DTensor:
+        """``param`` (a tp DTensor, or plain and the same on every rank) on the root mesh: this
+        rank's rows of its tp-local tensor over dp. Refused where DTensor's own layout of
+        ``placements`` would not hold those rows (then a checkpoint would read it wrong)."""
+        local_all = param.to_local() if isinstance(param, DTensor) else param
+        local_all = local_all.detach()
+        dp_placements = [p for d, p in enumerate(placements) if d in self.dp_dims]
+        local = local_chunk(local_all, dp_mesh, [Shard(0) if isinstance(p, (Shard, StridedShard)) else p for p in dp_placements], rows)
+        expected = dtensor_local_shape(param.shape, self.root, placements)
+        if tuple(local.shape) != expected:
+            raise UsageError(f"autoshard.shard: a parameter of shape {tuple(param.shape)} laid out {placements} holds "
+                             f"{tuple(local.shape)} on this rank where DTensor expects {expected}; make its tensor-parallel "
+                             "dimension divide evenly by the tp size.")
+        if local.numel() != local_all.numel() or local.data_ptr() == local_all.data_ptr():
+            local = local.clone()  # own storage: the tp-local tensor is freed once replaced
+        stride = torch.empty(param.shape, device="meta").stride()
+        return DTensor.from_local(local, self.root, placements, run_check=False, shape=param.shape, stride=stride)
+
+
+def _shards_dim0(placement: Placement) -> bool:
+    return isinstance(placement, Shard) and placement.dim == 0
+
+
+def composition(module: nn.Module, mesh: DeviceMesh, strategy: str, ours: str, state_shares: Any = None, node_size: int = 0,
+                compression: Any = None, experts: Any = ()) -> Composition | None:
+    """The composition of ``mesh`` (dp) with the tensor-parallel mesh of ``module``'s DTensor
+    parameters; None when it has none. Every refusal comes before anything changes."""
+    found = _foreign(module, ours)
+    if not found:
+        return None
+    unsupported = {"state_shares": state_shares, "reshard_after_forward=<int>": node_size, "experts='parallel'": experts,
+                   "compression": compression is not None and (compression.gather or compression.reduce)}
+    for name, given in unsupported.items():
+        if given:
+            raise UsageError(f"autoshard.shard: {name} does not compose with tensor parallelism yet; drop it, or shard "
+                             "without parallelize_module.")
+    meshes = {p.device_mesh for _, p in found}
+    fqn, param = found[0]
+    if len(meshes) > 1 or param.device_mesh.ndim != 1:
+        raise UsageError(f"autoshard.shard: parameter {fqn!r} is a DTensor on {param.device_mesh}; autoshard composes with "
+                         "tensor parallelism on one 1-D mesh (parallelize_module(model, mesh['tp'], plan)), every "
+                         "parallelised parameter on it.")
+    tp = param.device_mesh
+    root = root_mesh(tp)
+    if root is tp or root_mesh(mesh) is not root or not root.mesh_dim_names:
+        raise UsageError(f"autoshard.shard: parameter {fqn!r} is a DTensor on {tp}, which is not a named dimension of the "
+                         f"mesh {mesh} is sliced from; make one mesh with init_device_mesh(..., mesh_dim_names=('dp', 'tp')), "
+                         "parallelise on mesh['tp'], then shard with mesh=mesh['dp'].")
+    names = root.mesh_dim_names
+    dp_dims = tuple(names.index(n) for n in mesh.mesh_dim_names)
+    (tp_dim,) = (names.index(n) for n in tp.mesh_dim_names)
+    if tp_dim in dp_dims or len(dp_dims) + 1 != root.ndim:
+        raise UsageError(f"autoshard.shard: the mesh {mesh.mesh_dim_names} and the tensor-parallel mesh "
+                         f"{tp.mesh_dim_names} must make up the whole mesh {names}, without sharing a dimension.")
+    if strategy not in ("full", "grad_op", "hybrid"):
+        raise UsageError(f"autoshard.shard: strategy={strategy!r} with tensor parallelism; use 'full', 'grad_op' or 'hybrid'.")
+    return Composition(root, dp_dims, tp_dim)
