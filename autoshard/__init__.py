@@ -28,6 +28,7 @@ from autoshard.runtime.mixed_precision import MixedPrecision
 from autoshard.runtime.shard import is_sharded, shard
 from autoshard.runtime.state_shares import full_tensor
 from autoshard.runtime.telemetry import Telemetry
+from autoshard.runtime.tp_plans import gpt_tp_plan, transformers_tp_plan
 from autoshard.tools import launch
 from autoshard.tools.explain import explain, explain_graphs
 from autoshard.tools.plan.plan import Plan, plan
@@ -39,8 +40,8 @@ from autoshard.tools.report.report import Report, timeline, write_report
 __all__ = [
     "AutoshardError", "CheckpointError", "Cluster", "Compression", "InflightCapError", "MixedPrecision", "NodeGroup",
     "OverBudgetError", "Plan", "PlanMismatchError", "RankFailedError", "Report", "ShardLayout", "Telemetry", "UsageError",
-    "batch_sizes", "explain", "explain_graphs", "full_state_dict", "full_tensor", "is_sharded", "load", "materialize",
-    "plan", "save", "set_batch_shares", "shard", "split_batch",
+    "batch_sizes", "explain", "explain_graphs", "full_state_dict", "full_tensor", "gpt_tp_plan", "is_sharded", "load", "materialize",
+    "plan", "save", "set_batch_shares", "shard", "split_batch", "transformers_tp_plan",
 ]
 
 # Module paths users import (``autoshard.launch.run_ranks``, ``import autoshard.checkpoint``, ``autoshard.errors``)

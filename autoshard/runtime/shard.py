@@ -362,7 +362,7 @@ def _plan(
                 continue
             # Tensor-parallel (composition() found every such DTensor): gathered to its tp-local piece.
             tp = composed.tensor_parallel(fqn, param) if isinstance(param, DTensor) else None
-            splits = param.dim() > 0 and strategy != "replicate"
+            splits = param.dim() > 0 and strategy != "replicate" and not (tp and tp.strided)
             dim0 = (tp.local_shape if tp else param.shape)[0] if splits else -1
             rows = split_rows(dim0, fractions) if splits and fractions else ()
             placements = split if splits else replicated

@@ -12,7 +12,10 @@ DTensor on the root mesh, whose placements say so: ``dp`` adds ``Shard(0)``, or,
 already shards dim 0 and ``dp`` comes first in the mesh, ``_StridedShard(0, split_factor=tp)``
 (tp pieces first, each cut over dp: FSDP2's layout, so checkpoints and ``full_tensor`` read it
 right). A plain parameter (not parallelised) becomes ``(Shard(0), Replicate())``: every
-parameter lives on one mesh, so ``clip_grad_norm_`` and optimizers see one mesh.
+parameter lives on one mesh, so ``clip_grad_norm_`` and optimizers see one mesh. A fused
+projection whose parts tp shards one by one (``_StridedShard``, :func:`autoshard.gpt_tp_plan`'s
+``qkv``) stays whole over ``dp`` (``Replicate()``, its gradient all-reduced): DTensor reads a
+dimension sharded twice, once strided, wrongly (``full_tensor``, torch 2.13).
 
 A forward gathers a tp-local tensor over ``dp`` only (the usual annotation op, the ``dp``
 group) and reads it as the DTensor ``parallelize_module`` made (:func:`as_tensor_parallel`):
@@ -48,11 +51,15 @@ class TensorParallel:
     shape: tuple[int, ...]  # global
     stride: tuple[int, ...]
     local_shape: tuple[int, ...]  # what the data-parallel gather returns on this rank
+    # A fused projection's columns sharded part by part (_StridedShard): replicated over dp,
+    # because DTensor cannot gather a dim sharded twice when one of the two is strided
+    # (full_tensor and checkpoints would read it wrong, torch 2.13).
+    strided: bool = False
 
 
-def as_tensor_parallel(local: torch.Tensor, tp: TensorParallel) -> DTensor:
-    """The gathered tp-local ``local`` as its tensor-parallel DTensor (no communication)."""
-    return DTensor.from_local(local, tp.mesh, tp.placements, run_check=False, shape=tp.shape, stride=tp.stride)
+def as_tensor_parallel(gathered: torch.Tensor, tp: TensorParallel) -> DTensor:
+    """The gathered tp-local tensor as its tensor-parallel DTensor (no communication)."""
+    return DTensor.from_local(gathered, tp.mesh, tp.placements, run_check=False, shape=tp.shape, stride=tp.stride)
 
 
 def _foreign(module: nn.Module, ours: str) -> list[tuple[str, nn.Parameter]]:
@@ -71,51 +78,49 @@ class Composition:
 
     def placements(self, dp_placements: Iterable[Placement], tp_placement: Placement = Replicate()) -> list[Placement]:
         """Placements on the root: ``dp_placements`` (one per dp dim, as ``layout`` gives them
-        for a 1-D or 2-D dp mesh) on dp's dims, ``tp_placement`` on tp's. A dp ``Shard(0)``
-        over a dim 0 that ``tp`` shards later in the mesh order is strided (see the module
-        docstring)."""
+        for a 1-D or 2-D dp mesh) on dp's dims, ``tp_placement`` on tp's. A dp ``Shard(0)`` of a
+        dim 0 that tp shards already is ``_StridedShard(0, split_factor=tp)``: tp's pieces
+        first, each then cut over dp (FSDP2's layout; see the module docstring)."""
         out: list[Placement] = [Replicate()] * self.root.ndim
         out[self.tp_dim] = tp_placement
-        tp_size = self.root.size(self.tp_dim)
         for dim, placement in zip(self.dp_dims, dp_placements, strict=True):
-            if isinstance(placement, Shard) and _shards_dim0(tp_placement) and dim < self.tp_dim:
-                placement = StridedShard(0, split_factor=tp_size)
+            if isinstance(placement, Shard) and tp_placement == Shard(0):
+                placement = StridedShard(0, split_factor=self.root.size(self.tp_dim))
             out[dim] = placement
         return out
 
     def tensor_parallel(self, fqn: str, param: DTensor) -> TensorParallel:
         """``param``'s tensor-parallel layout, refused where it cannot be sharded over dp."""
         (placement,) = param.placements  # 1-D: checked by composition()
-        if isinstance(placement, StridedShard) or not isinstance(placement, (Shard, Replicate)):
+        strided = isinstance(placement, StridedShard)
+        if not isinstance(placement, (Shard, StridedShard, Replicate)):
             raise UsageError(f"autoshard.shard: parameter {fqn!r} is laid out {placement} over tp; autoshard composes with "
-                             "Shard and Replicate tensor-parallel parameters (ColwiseParallel, RowwiseParallel, "
-                             "SequenceParallel); split a fused projection into separate ones or leave it unparallelised.")
+                             "Shard, Replicate and _StridedShard tensor-parallel parameters (ColwiseParallel, "
+                             "RowwiseParallel, SequenceParallel, a fused projection's columns).")
         if param.dim() == 0:
             raise UsageError(f"autoshard.shard: parameter {fqn!r} is a 0-d DTensor over tp; leave it a plain parameter.")
+        if placement == Shard(0) and any(d > self.tp_dim for d in self.dp_dims):
+            raise UsageError(f"autoshard.shard: parameter {fqn!r} is sharded on dim 0 over tp, which comes before dp in the "
+                             f"mesh {self.root.mesh_dim_names}; order the mesh's dimensions with dp first, e.g. ('dp', 'tp').")
         return TensorParallel(param.device_mesh, tuple(param.placements), tuple(param.shape), tuple(param.stride()),
-                              tuple(param.to_local().shape))
+                              tuple(param.to_local().shape), strided)
 
     def to_dtensor(self, param: nn.Parameter, placements: list[Placement], dp_mesh: DeviceMesh, rows: tuple[int, ...] = ()) -> DTensor:
         """``param`` (a tp DTensor, or plain and the same on every rank) on the root mesh: this
         rank's rows of its tp-local tensor over dp. Refused where DTensor's own layout of
-        ``placements`` would not hold those rows (then a checkpoint would read it wrong)."""
-        local_all = param.to_local() if isinstance(param, DTensor) else param
-        local_all = local_all.detach()
-        dp_placements = [p for d, p in enumerate(placements) if d in self.dp_dims]
-        local = local_chunk(local_all, dp_mesh, [Shard(0) if isinstance(p, (Shard, StridedShard)) else p for p in dp_placements], rows)
+        ``placements`` would not hold as many rows (then a checkpoint would read it wrong)."""
+        whole = (param.to_local() if isinstance(param, DTensor) else param).detach()
+        dp_placements = [Shard(0) if isinstance(p, (Shard, StridedShard)) else p for d, p in enumerate(placements) if d in self.dp_dims]
+        local = local_chunk(whole, dp_mesh, dp_placements, rows)
         expected = dtensor_local_shape(param.shape, self.root, placements)
         if tuple(local.shape) != expected:
             raise UsageError(f"autoshard.shard: a parameter of shape {tuple(param.shape)} laid out {placements} holds "
                              f"{tuple(local.shape)} on this rank where DTensor expects {expected}; make its tensor-parallel "
                              "dimension divide evenly by the tp size.")
-        if local.numel() != local_all.numel() or local.data_ptr() == local_all.data_ptr():
+        if local.numel() != whole.numel() or local.data_ptr() == whole.data_ptr():
             local = local.clone()  # own storage: the tp-local tensor is freed once replaced
         stride = torch.empty(param.shape, device="meta").stride()
         return DTensor.from_local(local, self.root, placements, run_check=False, shape=param.shape, stride=stride)
-
-
-def _shards_dim0(placement: Placement) -> bool:
-    return isinstance(placement, Shard) and placement.dim == 0
 
 
 def composition(module: nn.Module, mesh: DeviceMesh, strategy: str, ours: str, state_shares: Any = None, node_size: int = 0,
@@ -139,7 +144,7 @@ def composition(module: nn.Module, mesh: DeviceMesh, strategy: str, ours: str, s
                          "parallelised parameter on it.")
     tp = param.device_mesh
     root = root_mesh(tp)
-    if root is tp or root_mesh(mesh) is not root or not root.mesh_dim_names:
+    if root == tp or root_mesh(mesh) != root or not root.mesh_dim_names:
         raise UsageError(f"autoshard.shard: parameter {fqn!r} is a DTensor on {tp}, which is not a named dimension of the "
                          f"mesh {mesh} is sliced from; make one mesh with init_device_mesh(..., mesh_dim_names=('dp', 'tp')), "
                          "parallelise on mesh['tp'], then shard with mesh=mesh['dp'].")

@@ -15,7 +15,9 @@ import torch
 import torch.distributed as dist
 import transformers as tf
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import parallelize_module
 
 import autoshard
 
@@ -116,14 +118,23 @@ def shard_per_layer(model: nn.Module) -> nn.Module:
     return autoshard.shard(model)
 
 
+def shard_tensor_parallel(model: nn.Module, tp: int = 2) -> nn.Module:
+    """FSDP2 + TP's pattern: the library's own tensor-parallel plan on ``mesh["tp"]``, then
+    sharded over ``mesh["dp"]`` (ranks ``dp * tp + t``)."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size() // tp, tp), mesh_dim_names=("dp", "tp"))
+    parallelize_module(model, mesh["tp"], autoshard.transformers_tp_plan(model))
+    return autoshard.shard(model, mesh["dp"])
+
+
 def parity(name: str, compiler: str, *, steps: int = 2, shard: Callable[[nn.Module], nn.Module] = autoshard.shard,
-           dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+           dtype: torch.dtype = torch.float32, tp: int = 1) -> dict[str, Any]:
     """Train the sharded model on this rank's rows next to one process on the whole batch
     (for BatchNorm models: the mean of per-rank-slice losses, as DDP computes it); SGD with
     momentum on both. Returns the largest loss and parameter differences over ``steps``, the
-    parameters compared after every step."""
+    parameters compared after every step. ``tp``: the tensor-parallel ranks of each
+    data-parallel rank, which share its rows."""
     torch._dynamo.reset()
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = dist.get_rank() // tp, dist.get_world_size() // tp
     reference = build(name).to(dtype)
     sharded = shard(copy.deepcopy(reference))
     run = torch.compile(sharded, backend="autoshard", options={"compiler": compiler})
@@ -141,7 +152,7 @@ def parity(name: str, compiler: str, *, steps: int = 2, shard: Callable[[nn.Modu
         loss.backward()
         mean = loss.detach().float().clone()
         dist.all_reduce(mean)
-        mean = mean.item() / world
+        mean = mean.item() / dist.get_world_size()
         for o in (ref_opt, opt):
             o.step()
             o.zero_grad()
@@ -162,6 +173,8 @@ HOW: dict[str, dict[str, Any]] = {
     "keep": {"shard": functools.partial(autoshard.shard, reshard_after_forward=False)},
     # hpZ: the backward gathers again within nodes of 2 ranks (run at 4 ranks).
     "hpz": {"shard": functools.partial(autoshard.shard, reshard_after_forward=2)},
+    # dp x tp = 2 x 2 (run at 4 ranks): the library's tensor-parallel plan, then sharded over dp.
+    "tp": {"shard": shard_tensor_parallel, "tp": 2},
 }
 
 
