@@ -123,6 +123,14 @@ class Composition:
         return DTensor.from_local(local, self.root, placements, run_check=False, shape=param.shape, stride=stride)
 
 
+def _ranks_along(root: DeviceMesh, dims: tuple[int, ...]) -> list[int]:
+    """The ranks of ``root`` that share this rank's coordinates on every dim but ``dims``."""
+    grid = root.mesh.movedim(dims, tuple(range(-len(dims), 0)))
+    rows = grid.reshape(-1, *[root.size(d) for d in dims]).flatten(1)
+    me = torch.distributed.get_rank()
+    return next(row.tolist() for row in rows if me in row.tolist())
+
+
 def composition(module: nn.Module, mesh: DeviceMesh, strategy: str, ours: str, state_shares: Any = None, node_size: int = 0,
                 compression: Any = None, experts: Any = ()) -> Composition | None:
     """The composition of ``mesh`` (dp) with the tensor-parallel mesh of ``module``'s DTensor
@@ -143,17 +151,20 @@ def composition(module: nn.Module, mesh: DeviceMesh, strategy: str, ours: str, s
                          "tensor parallelism on one 1-D mesh (parallelize_module(model, mesh['tp'], plan)), every "
                          "parallelised parameter on it.")
     tp = param.device_mesh
-    root = root_mesh(tp)
-    if root == tp or root_mesh(mesh) != root or not root.mesh_dim_names:
+    root = root_mesh(mesh)  # the dp mesh's: a submesh's cached root may be an older, equal-looking mesh
+    names = root.mesh_dim_names or ()
+    if root == mesh or not set(mesh.mesh_dim_names or ()) | set(tp.mesh_dim_names or ()) <= set(names):
         raise UsageError(f"autoshard.shard: parameter {fqn!r} is a DTensor on {tp}, which is not a named dimension of the "
                          f"mesh {mesh} is sliced from; make one mesh with init_device_mesh(..., mesh_dim_names=('dp', 'tp')), "
                          "parallelise on mesh['tp'], then shard with mesh=mesh['dp'].")
-    names = root.mesh_dim_names
     dp_dims = tuple(names.index(n) for n in mesh.mesh_dim_names)
     (tp_dim,) = (names.index(n) for n in tp.mesh_dim_names)
     if tp_dim in dp_dims or len(dp_dims) + 1 != root.ndim:
         raise UsageError(f"autoshard.shard: the mesh {mesh.mesh_dim_names} and the tensor-parallel mesh "
                          f"{tp.mesh_dim_names} must make up the whole mesh {names}, without sharing a dimension.")
+    if _ranks_along(root, (tp_dim,)) != tp.mesh.flatten().tolist():
+        raise UsageError(f"autoshard.shard: the tensor-parallel mesh {tp} holds other ranks than dimension {names[tp_dim]!r} "
+                         f"of {root}; parallelise and shard with slices of one mesh.")
     if strategy not in ("full", "grad_op", "hybrid"):
         raise UsageError(f"autoshard.shard: strategy={strategy!r} with tensor parallelism; use 'full', 'grad_op' or 'hybrid'.")
     return Composition(root, dp_dims, tp_dim)
