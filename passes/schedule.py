@@ -12,6 +12,7 @@ from autoshard.runtime.errors import InflightCapError, OverBudgetError
 
 from .graph_utils import (
     GATHERED,
+    PARAMS,
     Ordering,
     collective_kind,
     collectives,
@@ -82,9 +83,12 @@ class _Graph:
         graph = gm.graph
         self.graph = graph
         self.pos = pos = positions(graph.nodes)
-        self.gathers = [_Gather(g, pos) for g in collectives(graph, c10d.all_gather_into_tensor.default)]
+        # Only autoshard's own (they name the parameters they move): a tensor-parallel
+        # collective DTensor put in the graph stays where it is, as its data dependences place it.
+        self.gathers = [_Gather(g, pos) for g in collectives(graph, c10d.all_gather_into_tensor.default) if PARAMS in g.meta]
         # Reduce-scatters first: all-reduces may wait for them, never the other way round.
-        self.reduce_kinds = [collectives(graph, op) for op in (c10d.reduce_scatter_tensor.default, c10d.all_reduce.default)]
+        self.reduce_kinds = [[r for r in collectives(graph, op) if PARAMS in r.meta]
+                             for op in (c10d.reduce_scatter_tensor.default, c10d.all_reduce.default)]
         moved = {n for g in self.gathers for n in (*g.issue, *g.outputs)}
         self.reduce_issue = [[exclusive_inputs(r) + [r] for r in reduces] for reduces in self.reduce_kinds]
         self.reduce_outputs = [[outputs_of(wait_of(r)) for r in reduces] for reduces in self.reduce_kinds]

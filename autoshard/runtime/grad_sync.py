@@ -54,7 +54,7 @@ def _reduce_bucket(items: list[tuple[nn.Parameter, Any, torch.Tensor]]) -> list[
     if spec.dim0 < 0:  # replicated: all-reduce the gradients end to end
         sizes = [g.numel() for _, _, g in items]
         flat = ops.all_reduce_grad(torch.cat([g.reshape(-1) for _, _, g in items]), *args, *tail)
-        return [piece.view(p.shape) for piece, (p, _, _) in zip(flat.split(sizes), items)]
+        return [piece.view(g.shape) for piece, (_, _, g) in zip(flat.split(sizes), items)]
     # Sharded: each gradient padded and laid out rank-major, [world, its rows per rank], side by
     # side; row r of the bucket is then rank r's part of every gradient, so a reduce-scatter of
     # the bucket's rows hands every rank its rows of each.
@@ -64,7 +64,8 @@ def _reduce_bucket(items: list[tuple[nn.Parameter, Any, torch.Tensor]]) -> list[
             for (_, s, g), c in zip(items, chunks)]
     mine = ops.reduce_grad(torch.cat(cols, dim=1), *args, 1, *tail).view(-1)
     pieces = mine.split([c.shape[1] for c in cols])
-    return [piece.view(c, *p.shape[1:])[: p.to_local().shape[0]] for piece, c, (p, _, _) in zip(pieces, chunks, items)]
+    # The gradients' own trailing dims: the gathered shape's (a tp-local piece's under tensor parallelism).
+    return [piece.view(c, *g.shape[1:])[: p.to_local().shape[0]] for piece, c, (p, _, g) in zip(pieces, chunks, items)]
 
 
 def _buckets(items: list[tuple[nn.Parameter, Any, torch.Tensor]]) -> list[list[tuple[nn.Parameter, Any, torch.Tensor]]]:

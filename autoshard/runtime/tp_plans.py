@@ -53,16 +53,24 @@ def transformers_tp_plan(model: nn.Module) -> dict[str, ParallelStyle]:
     return plan
 
 
+def _linears(module: nn.Module, *names: str) -> bool:
+    return all(isinstance(getattr(module, n, None), nn.Linear) for n in names)
+
+
 def gpt_tp_plan(model: nn.Module) -> dict[str, ParallelStyle]:
-    """The plan for ``examples/gpt.py``'s GPT: per block, the fused ``qkv`` column-parallel by
-    part (each rank its heads of q, k and v), ``proj`` row-parallel, the MLP's ``fc``
-    column-parallel and ``out`` row-parallel. The tied embedding and head stay replicated over tp.
-    The tp size must divide the number of heads."""
-    blocks = getattr(model, "blocks", None)
-    if blocks is None:
-        raise UsageError(f"autoshard.gpt_tp_plan: {type(model).__name__} has no .blocks; it is examples/gpt.py's plan.")
+    """The plan for ``examples/gpt.py``'s GPT: in each attention, the fused ``qkv``
+    column-parallel by part (each rank its heads of q, k and v) and ``proj`` row-parallel; in
+    each block's MLP, ``fc`` column-parallel and ``out`` row-parallel. Blocks are found by their
+    modules wherever they sit (wrapped for activation checkpointing too). The tied embedding and
+    head stay replicated over tp. The tp size must divide the number of heads."""
     plan: dict[str, ParallelStyle] = {}
-    for i in range(len(blocks)):
-        plan.update({f"blocks.{i}.attn.qkv": fused_colwise(3), f"blocks.{i}.attn.proj": RowwiseParallel(),
-                     f"blocks.{i}.fc": ColwiseParallel(), f"blocks.{i}.out": RowwiseParallel()})
+    for name, module in model.named_modules():
+        at = f"{name}." if name else ""
+        if _linears(module, "qkv", "proj"):
+            plan.update({f"{at}qkv": fused_colwise(3), f"{at}proj": RowwiseParallel()})
+        if hasattr(module, "attn") and _linears(module, "fc", "out"):
+            plan.update({f"{at}fc": ColwiseParallel(), f"{at}out": RowwiseParallel()})
+    if not plan:
+        raise UsageError(f"autoshard.gpt_tp_plan: {type(model).__name__} has no attention with qkv and proj, nor a block with "
+                         "attn, fc and out: it is the plan of examples/gpt.py's GPT; write a parallelize_module plan for this model.")
     return plan
