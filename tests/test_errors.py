@@ -45,6 +45,8 @@ WHERE = (
     "autoshard.materialize: ",
     "autoshard.MixedPrecision: ",
     "autoshard.Compression: ",
+    "autoshard.transformers_tp_plan: ",
+    "autoshard.gpt_tp_plan: ",
     "autoshard.Report: ",
     "autoshard.tools.launch.run_ranks: ",
     "autoshard.cost.simulator.analyze: ",

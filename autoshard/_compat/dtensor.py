@@ -7,6 +7,7 @@ from typing import Sequence
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -25,7 +26,8 @@ def root_mesh(mesh: DeviceMesh) -> DeviceMesh:
 
 def dtensor_local_shape(shape: Sequence[int], mesh: DeviceMesh, placements: Sequence[Placement]) -> tuple[int, ...]:
     """The local shape DTensor gives this rank of a ``shape`` tensor laid out by ``placements``."""
-    local, _ = compute_local_shape_and_global_offset(torch.Size(shape), mesh, list(placements))
+    with unset_fake_temporarily():  # reads the mesh's coordinates: real ints, also while a model is built fake
+        local, _ = compute_local_shape_and_global_offset(torch.Size(shape), mesh, list(placements))
     return tuple(local)
 
 

@@ -29,7 +29,6 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Placement, Replicate
 
-from autoshard._compat.dtensor import root_mesh
 from autoshard.runtime import experts as expert_parallelism
 from autoshard.runtime import grad_sync, hpz, leaves, tensor_parallel
 from autoshard.runtime.batch_shares import normalize, note_uneven_shares, set_batch_shares
@@ -38,6 +37,7 @@ from autoshard.runtime.errors import UsageError
 from autoshard.runtime.fail_together import check_same_on_all_ranks
 from autoshard.runtime.layout import ShardLayout, layout, to_dtensor
 from autoshard.runtime.mixed_precision import MixedPrecision, cast_inputs_hook, dtypes_for
+from autoshard.runtime.shard_checks import STRATEGIES, check_arguments, state_fractions
 from autoshard.runtime.sharded import (  # re-exported: imported from here before the split
     _SHARDED,
     ParamSpec,
@@ -51,7 +51,6 @@ from autoshard.runtime.state_shares import split_rows
 
 __all__ = ["STRATEGIES", "ParamSpec", "ShardedModule", "is_sharded", "parameters_as_shards", "shard"]
 
-STRATEGIES = ("full", "grad_op", "replicate", "hybrid")
 # Each sharded parameter keeps its spec under this attribute, so a module that shares an
 # already sharded parameter (a tied head sharded after its embedding) gets the same annotation.
 _SPEC = "_autoshard_spec"
@@ -87,7 +86,7 @@ def _planned(module: nn.Module, given: Any, mesh: DeviceMesh | None, strategy: s
         raise UsageError(f"autoshard.shard: the plan was made for {plan.world_size} ranks but this process group has {world}; "
                          f"plan again with world_size={world}.")
     if getattr(module, _SHARDED, False):
-        _check(module, None, "full", None, None)  # raises that it is sharded already, before a block changes
+        check_arguments(module, None, "full", None, None)  # raises that it is sharded already, before a block changes
     if {plan.strategy, plan.block_strategy or plan.strategy} - set(STRATEGIES):
         raise UsageError(f"autoshard.shard: the plan's strategies must be among {STRATEGIES}, got {plan.strategy!r} and "
                          f"{plan.block_strategy!r}; plan again with autoshard.plan.")
@@ -96,7 +95,7 @@ def _planned(module: nn.Module, given: Any, mesh: DeviceMesh | None, strategy: s
         raise UsageError(f"autoshard.shard: the plan lays out {missing[0]!r}, which {type(module).__name__} does not have; "
                          "plan again for this model.")
     for planned in dict.fromkeys((plan.strategy, plan.block_strategy or plan.strategy)):
-        _state_fractions(state_shares, planned, plan.experts)  # refused before a block changes
+        state_fractions(state_shares, planned, plan.experts)  # refused before a block changes
         check_compression(compression, planned)
     if not dist.is_initialized():
         return None, plan.strategy, None, plan.experts, compression  # world size 1: nothing to shard
@@ -132,66 +131,6 @@ def _describe(owners: Owners, layouts: Layouts, strategy: str, mesh: DeviceMesh,
             items.append((spec.name, tuple(param.shape), str(param.dtype), param.requires_grad, spec.dim0, spec.reshard,
                           id(param) in layouts, spec.rows, spec.quant_block, spec.reduce_block, spec.node_size, spec.quant_codec))
     return items
-
-
-def _state_fractions(state_shares: Any, strategy: str, experts: str) -> tuple | None:
-    """Each rank's exact share of the state (None: even), refused before anything changes."""
-    if state_shares is None:
-        return None
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    fractions = normalize(state_shares, world, what="autoshard.shard", attribute="state_shares")
-    if strategy not in ("full", "grad_op"):
-        raise UsageError(f"autoshard.shard: state_shares need strategy 'full' or 'grad_op', got {strategy!r} (a replicated "
-                         "state cannot be cut by rank, and hybrid sharding does not support them yet); drop state_shares "
-                         "or shard with strategy='full'.")
-    if experts != "gathered":
-        raise UsageError("autoshard.shard: state_shares do not cut expert-parallel experts (experts='parallel' splits whole "
-                         "experts evenly); use experts='gathered' or drop state_shares.")
-    return None if len(set(fractions)) == 1 or world == 1 else fractions
-
-
-def _check(
-    module: nn.Module, mesh: DeviceMesh | None, strategy: str, reshard_after_forward: bool | int | None,
-    mixed_precision: MixedPrecision | None
-) -> None:
-    if getattr(module, _SHARDED, False):
-        raise UsageError(
-            f"autoshard.shard: {type(module).__name__} is already sharded; call autoshard.shard once per module "
-            "(to shard blocks separately, shard each block first, then the root)."
-        )
-    if strategy not in STRATEGIES:
-        raise UsageError(f"autoshard.shard: strategy must be one of {STRATEGIES}, got {strategy!r}.")
-    hpz.check_value(reshard_after_forward, strategy)  # an int: hierarchical backward gathers
-    if reshard_after_forward and strategy in ("grad_op", "replicate"):
-        raise UsageError(
-            f"autoshard.shard: strategy={strategy!r} keeps full parameters from forward to backward, which "
-            "reshard_after_forward=True contradicts; use strategy='full' (or 'hybrid') to reshard, or leave reshard_after_forward unset."
-        )
-    if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
-        raise UsageError(f"autoshard.shard: mixed_precision must be an autoshard.MixedPrecision, got {type(mixed_precision).__name__}; "
-                         "pass e.g. mixed_precision=autoshard.MixedPrecision(param_dtype=torch.bfloat16).")
-    dims = 2 if strategy == "hybrid" else 1
-    if strategy == "hybrid" and mesh is None:
-        raise UsageError(
-            "autoshard.shard: strategy='hybrid' needs a 2-D mesh; pass mesh=init_device_mesh(device_type, (replicas, shard_size)): "
-            "parameters are sharded over the second dimension and replicated over the first."
-        )
-    if mesh is None:
-        return
-    if mesh.ndim != dims:
-        shape = "(replicas, shard_size)" if dims == 2 else "(world_size,)"
-        raise UsageError(
-            f"autoshard.shard: strategy={strategy!r} needs a {dims}-D DeviceMesh, got {mesh.ndim}-D {mesh}; "
-            f"use init_device_mesh(device_type, {shape})."
-        )
-    if not dist.is_initialized():
-        raise UsageError("autoshard.shard: a mesh was given but no process group is initialised; call init_process_group first "
-                         "(or pass no mesh to run as one process).")
-    if root_mesh(mesh).size() != dist.get_world_size():  # a submesh (tensor parallelism): its whole mesh
-        raise UsageError(
-            f"autoshard.shard: mesh has {root_mesh(mesh).size()} ranks but the process group has {dist.get_world_size()}; "
-            "pass a mesh over all ranks, e.g. init_device_mesh(device_type, (world_size,))."
-        )
 
 
 def shard(
@@ -281,9 +220,9 @@ def shard(
                                                                          state_shares, compression)
         if batch_shares is None:  # a plan for a mixed cluster chose them
             batch_shares = getattr(plan, "batch_shares", None)
-    _check(module, mesh, strategy, reshard_after_forward, mixed_precision)
+    check_arguments(module, mesh, strategy, reshard_after_forward, mixed_precision)
     check_compression(compression, strategy)
-    fractions = _state_fractions(state_shares, strategy, experts)
+    fractions = state_fractions(state_shares, strategy, experts)
     if experts not in expert_parallelism.EXPERTS:
         raise UsageError(f"autoshard.shard: experts must be one of {expert_parallelism.EXPERTS}, got {experts!r}.")
     if not dist.is_initialized():

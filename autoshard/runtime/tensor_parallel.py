@@ -35,6 +35,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
+from autoshard._compat import unset_fake_temporarily
 from autoshard._compat.dtensor import StridedShard, dtensor_local_shape, root_mesh
 from autoshard.runtime.errors import UsageError
 from autoshard.runtime.layout import local_chunk
@@ -125,10 +126,11 @@ class Composition:
 
 def _ranks_along(root: DeviceMesh, dims: tuple[int, ...]) -> list[int]:
     """The ranks of ``root`` that share this rank's coordinates on every dim but ``dims``."""
-    grid = root.mesh.movedim(dims, tuple(range(-len(dims), 0)))
-    rows = grid.reshape(-1, *[root.size(d) for d in dims]).flatten(1)
+    with unset_fake_temporarily():  # the rank map is a real tensor, also while a model is built fake (explain)
+        grid = root.mesh.movedim(dims, tuple(range(-len(dims), 0)))
+        rows = grid.reshape(-1, *[root.size(d) for d in dims]).flatten(1).tolist()
     me = torch.distributed.get_rank()
-    return next(row.tolist() for row in rows if me in row.tolist())
+    return next(row for row in rows if me in row)
 
 
 def composition(module: nn.Module, mesh: DeviceMesh, strategy: str, ours: str, state_shares: Any = None, node_size: int = 0,

@@ -66,6 +66,16 @@ def test_hierarchical_backward_gathers_at_4_ranks_under_inductor() -> None:
     _check(found)
 
 
+def test_tensor_parallel_dp2_tp2_at_4_ranks() -> None:
+    """The library's own tensor-parallel plan (``config.base_model_tp_plan``: q, k, v, gate and up
+    column-parallel, o and down row-parallel) on ``mesh["tp"]``, then sharded over ``mesh["dp"]``:
+    Llama's grouped-query attention (4 heads and 2 key/value heads: each tp rank its 2 and 1)
+    under both compilers, and with the library's checkpointing under Inductor."""
+    cases = [("llama", "aot_eager"), ("llama", "inductor"), ("llama_checkpointed", "inductor")]
+    found = run_ranks(4, hf_models.parity_many, cases, "tp", timeout=900)[0]
+    _check(found)
+
+
 def test_per_layer_sharding_then_the_root() -> None:
     """FSDP2's usual pattern: each decoder layer sharded first, then the model."""
     found = run_ranks(2, hf_models.parity_many, [("llama", "aot_eager")], "per_layer", timeout=600)[0]
