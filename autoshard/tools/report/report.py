@@ -228,8 +228,10 @@ class Report:
         """The collectives that added the most step time, worst first."""
         step = self.analysis.step_time or 1.0
         worst = sorted((e for e in self.collectives() if e.exposed > 0), key=lambda e: -e.exposed)[:top]
+        # A collective that moves no parameter (tensor parallelism's partial sums) moves activations.
+        moved = [parameters_label(e.params) if e.params else f"activations ({e.name})" for e in worst]
         return [("most exposed collectives" if i == 0 else "", f"{fmt_time(e.exposed)} ({100 * e.exposed / step:.1f}% of step): "
-                 f"{e.stage} {e.kind} of {parameters_label(e.params) if e.params else f'activations ({e.name})'}") for i, e in enumerate(worst)]
+                 f"{e.stage} {e.kind} of {what}") for i, (e, what) in enumerate(zip(worst, moved))]
 
     def _peak_rows(self, top: int = 3) -> list[tuple[str, str]]:
         """What is alive at the memory peak: bytes per category, largest first, then the
