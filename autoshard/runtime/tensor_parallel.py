@@ -38,6 +38,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from autoshard._compat import unset_fake_temporarily
 from autoshard._compat.dtensor import StridedShard, dtensor_local_shape, root_mesh
 from autoshard.runtime.errors import UsageError
+from autoshard.runtime.experts import MARK as EXPERT_MARK
 from autoshard.runtime.layout import local_chunk
 
 __all__ = ["Composition", "TensorParallel", "as_tensor_parallel", "composition"]
@@ -66,7 +67,7 @@ def as_tensor_parallel(gathered: torch.Tensor, tp: TensorParallel) -> DTensor:
 def _foreign(module: nn.Module, ours: str) -> list[tuple[str, nn.Parameter]]:
     """Parameters that are DTensors autoshard did not make (``ours``: the attribute its own carry)."""
     return [(n, p) for n, p in module.named_parameters(remove_duplicate=True)
-            if isinstance(p, DTensor) and not hasattr(p, ours) and not hasattr(p, "_autoshard_expert")]
+            if isinstance(p, DTensor) and not hasattr(p, ours) and not hasattr(p, EXPERT_MARK)]
 
 
 @dataclass(frozen=True)
@@ -157,14 +158,16 @@ def composition(module: nn.Module, mesh: DeviceMesh, strategy: str, ours: str, s
     names = root.mesh_dim_names or ()
     if root == mesh or not set(mesh.mesh_dim_names or ()) | set(tp.mesh_dim_names or ()) <= set(names):
         raise UsageError(f"autoshard.shard: parameter {fqn!r} is a DTensor on {tp}, which is not a named dimension of the "
-                         f"mesh {mesh} is sliced from; make one mesh with init_device_mesh(..., mesh_dim_names=('dp', 'tp')), "
+                         f"mesh that {mesh} was sliced from; make one mesh with init_device_mesh(..., mesh_dim_names=('dp', 'tp')), "
                          "parallelise on mesh['tp'], then shard with mesh=mesh['dp'].")
     dp_dims = tuple(names.index(n) for n in mesh.mesh_dim_names)
     (tp_dim,) = (names.index(n) for n in tp.mesh_dim_names)
     if tp_dim in dp_dims or len(dp_dims) + 1 != root.ndim:
         raise UsageError(f"autoshard.shard: the mesh {mesh.mesh_dim_names} and the tensor-parallel mesh "
                          f"{tp.mesh_dim_names} must make up the whole mesh {names}, without sharing a dimension.")
-    if _ranks_along(root, (tp_dim,)) != tp.mesh.flatten().tolist():
+    with unset_fake_temporarily():
+        tp_ranks = tp.mesh.flatten().tolist()
+    if _ranks_along(root, (tp_dim,)) != tp_ranks:
         raise UsageError(f"autoshard.shard: the tensor-parallel mesh {tp} holds other ranks than dimension {names[tp_dim]!r} "
                          f"of {root}; parallelise and shard with slices of one mesh.")
     if strategy not in ("full", "grad_op", "hybrid"):
