@@ -60,6 +60,7 @@ from autoshard.runtime.errors import CheckpointError, CheckpointNotFoundError, C
 from autoshard.runtime.fail_together import fail_together
 from autoshard.runtime.shard import parameters_as_shards
 from autoshard.runtime.state_shares import even_like, from_even, uneven_rows
+from autoshard.runtime.strided_state import from_stored, stored_layouts, stored_like
 
 __all__ = ["save", "load", "full_state_dict"]
 
@@ -342,6 +343,9 @@ def _load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,
         uneven = uneven_rows(expected)  # cut by state shares: read in the even layout, then cut back (collective: first)
         files, metadata = _read_checked(path)
         expected.update({k: even_like(expected[k]) for k in uneven})
+        layouts = stored_layouts(expected)  # tensor parallelism's fused projections: read as blocks, then cut back
+        strided = {k: expected[k].placements for k in layouts}
+        expected.update({k: stored_like(expected[k], placements) for k, placements in layouts.items()})
         _compare(path, expected, metadata, ("model.", "optim.") if optimizer is not None else ("model.",))
         _verify_files(path, files, metadata, group)
         loaded = {k: torch.empty_like(v) if isinstance(v, torch.Tensor) else v for k, v in expected.items()}
@@ -363,6 +367,7 @@ def _load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,
             p.grad = g
     extra = torch.load(io.BytesIO(loaded[_EXTRA]), weights_only=True) if _EXTRA in loaded else {}
     loaded.update({k: from_even(loaded[k], rows) for k, rows in uneven.items()})
+    loaded.update({k: from_stored(loaded[k], placements) for k, placements in strided.items()})
     with parameters_as_shards():
         set_model_state_dict(model, {k[len("model."):]: v for k, v in loaded.items() if k.startswith("model.")})
         if optimizer is not None:

@@ -11,19 +11,23 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from autoshard.runtime.shard import parameters_as_shards
 from autoshard.runtime.state_shares import full_tensor, to_even, uneven_rows
+from autoshard.runtime.strided_state import stored_layouts, to_stored
 
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)  # optimizer keys by parameter FQN
 
 
 def _state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
     """The flat state dict that is saved: ``model.<fqn>`` and ``optim.<flattened key>``, with
-    tensors cut by state shares in DTensor's even layout (so any shares load it).
+    tensors cut by state shares in DTensor's even layout (so any shares load it) and strided
+    tensor-parallel ones in their stored layout (:mod:`autoshard.runtime.strided_state`).
 
     With an optimizer whose state is still empty, DCP first initialises it with a zero-lr step.
     """
     state = _local_state_dict(model, optimizer)
     uneven = uneven_rows(state)
-    return {k: to_even(v, uneven[k]) if k in uneven else v for k, v in state.items()}
+    strided = stored_layouts(state)  # tensor parallelism's fused projections: stored as blocks
+    return {k: to_even(v, uneven[k]) if k in uneven else to_stored(v, strided[k]) if k in strided else v
+            for k, v in state.items()}
 
 
 def _local_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:

@@ -7,9 +7,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 
 from autoshard.runtime.compression import Compression
+from autoshard.runtime.errors import UsageError
 from autoshard.runtime.mixed_precision import MixedPrecision
 
 
@@ -32,19 +33,28 @@ class ShardLayout:
 
 def local_chunk(full: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...] | list[Placement],
                 rows: tuple[int, ...] = ()) -> torch.Tensor:
-    """This rank's rows of ``full`` under ``placements`` (a view): DTensor's ``Shard(0)``
-    layout, torch.chunk's sizes, empty past the end; all of it when nothing is sharded.
-    ``rows``: every rank's row count under state shares (a 1-D mesh), instead of torch.chunk's."""
-    for dim, placement in enumerate(placements):
-        if isinstance(placement, Shard) and rows:
-            me = mesh.get_local_rank(dim)
-            start = sum(rows[:me])
-            return full[start : start + rows[me]]
-        if isinstance(placement, Shard):
-            rows = -(-full.shape[0] // mesh.size(dim))  # ceil
-            start = min(mesh.get_local_rank(dim) * rows, full.shape[0])
-            return full[start : start + rows]
-    return full
+    """This rank's piece of ``full`` under ``placements``: all of it when nothing is sharded.
+
+    One ``Shard(0)`` (the rest ``Replicate()``): a view of this rank's rows, DTensor's layout,
+    torch.chunk's sizes, empty past the end; ``rows``: every rank's row count under state shares
+    (a 1-D mesh), instead of torch.chunk's. Any other layout (several sharded mesh dimensions,
+    ``Shard`` of another dim, ``_StridedShard``: tensor parallelism's 2-D parameters) is
+    DTensor's own cut, with no communication (every rank holds ``full``)."""
+    sharded = [(dim, p) for dim, p in enumerate(placements) if not isinstance(p, Replicate)]
+    if not sharded:
+        return full
+    (dim, placement), *more = sharded
+    if more or placement != Shard(0):
+        if rows:
+            raise UsageError(f"local_chunk: state shares' rows cut one Shard(0) over a 1-D mesh, not {list(placements)}.")
+        return distribute_tensor(full.detach(), mesh, list(placements), src_data_rank=None).to_local()
+    me = mesh.get_local_rank(dim)
+    if rows:
+        start = sum(rows[:me])
+        return full[start : start + rows[me]]
+    size = -(-full.shape[0] // mesh.size(dim))  # ceil
+    start = min(me * size, full.shape[0])
+    return full[start : start + size]
 
 
 def to_dtensor(param: nn.Parameter, mesh: DeviceMesh, placements: list[Placement], rows: tuple[int, ...] = ()) -> DTensor:
