@@ -49,6 +49,7 @@ class Candidate:
     block_mesh_shape: tuple[int, ...] = ()
     experts: str = "gathered"  # "parallel": the experts modules split over every rank (shard's experts=)
     all_reduce_blocks: int = 1
+    tensor_parallel: int = 1  # the tp degree; mesh_shape is then the data-parallel mesh (plan/tensor_parallel.py)
 
     def label(self, ranks_per_node: int) -> str:
         name = _layout_label(self.strategy, self.mesh_shape, ranks_per_node)
@@ -57,6 +58,7 @@ class Candidate:
             name += f"; {_layout_label(self.block_strategy, self.block_mesh_shape, ranks_per_node)} for {span}"
         name += ", experts parallel" if self.experts == "parallel" else ""
         name += f", all-reduce per {self.all_reduce_blocks} blocks" if self.all_reduce_blocks > 1 else ""
+        name += f", tp {self.tensor_parallel}" if self.tensor_parallel > 1 else ""
         return name if self.precision == "fp32" else f"{name}, {self.precision}"
 
     @property

@@ -1,18 +1,14 @@
 """``autoshard.plan``: choose the sharding strategy for the user, on fake ranks.
 
-Each candidate layout of the world (full shard, ZeRO-2, replicate, and hybrid sharding with a
-shard group of 1, 2, 4, ... nodes; for a mixture-of-experts model, the 1-D ones also with the
-experts split over every rank, ``experts="parallel"``) is compiled for one training step as ``autoshard.explain``
-compiles it, with the memory budget's schedule decisions inside, and played on the cost
-model; a layout whose lower bounds (:mod:`autoshard.tools.plan.layouts`: its collectives
-alone, its shards, gradients and optimizer state alone) already lose is not compiled. Where
-the fastest layout does not fit the budget, the fastest that does is tried with as many of
-the model's repeated blocks laid out as the faster one as the budget holds (a mixed layout:
-those blocks sharded first, as FSDP2 users shard per block). The plan is the fastest
-candidate whose peak (optimizer state included) fits the budget; ties go to the smaller
-peak, then to the earlier candidate. Deterministic: the same
-model, world and profile give every rank the same plan, and ``autoshard.shard(model,
-plan=plan)`` applies it::
+Each candidate layout of the world (full shard, ZeRO-2, replicate, and hybrid sharding with a shard group of 1, 2, 4, ... nodes;
+for a mixture-of-experts model, the 1-D ones also with the experts split over every rank, ``experts="parallel"``) is compiled for
+one training step as ``autoshard.explain`` compiles it, with the memory budget's schedule decisions inside, and played on the cost
+model; a layout whose lower bounds (:mod:`autoshard.tools.plan.layouts`: its collectives alone, its shards, gradients and
+optimizer state alone) already lose is not compiled. Where the fastest layout does not fit the budget, the fastest that does is
+tried with as many of the model's repeated blocks laid out as the faster one as the budget holds (a mixed layout: those blocks
+sharded first, as FSDP2 users shard per block). The plan is the fastest candidate whose peak (optimizer state included) fits the
+budget; ties go to the smaller peak, then to the earlier candidate. Deterministic: the same model, world and profile give every
+rank the same plan; ``autoshard.shard(model, plan=plan)`` applies it::
 
     plan = autoshard.plan(make_model, tokens, tokens, world_size=64, ranks_per_node=8, memory_budget_gb=40)
     print(plan.summary()); plan.save("plan.json")
@@ -49,6 +45,7 @@ from autoshard.tools.explain import add_input_arguments, explain, input_maker, l
 from autoshard.tools.plan.layouts import PRECISIONS, Bounds, Candidate, Params, candidates
 from autoshard.tools.plan.result import Outcome, Plan, _compression, _limit_bytes, _mixed_precision
 from autoshard.tools.plan.shares import best_split
+from autoshard.tools.plan.tensor_parallel import TP_ARGUMENTS, plan_tensor_parallel
 from autoshard.tools.units import fmt_bytes, fmt_time
 
 
@@ -246,9 +243,10 @@ def plan(
 
     Whole-model layouts first (full shard and hybrid over one node always compiled, the others
     only where the lower bounds of :mod:`autoshard.tools.plan.layouts` leave them a chance),
-    then, where the fastest does not fit the budget, the fastest that fits with as many of
-    the model's repeated blocks as fit laid out as the faster one.
-    OverBudgetError (a ValueError) when no candidate fits, naming the smallest peak one has.
+    then, where the fastest does not fit the budget, the fastest that fits with as many of the model's repeated blocks as fit
+    laid out as the faster one. OverBudgetError (a ValueError) when no candidate fits, naming the smallest peak one has.
+    ``tensor_parallel=(1, 2, 4, 8)``, ``tp_plan``, ``global_batch``, ``depth``: the tensor-parallel degree chosen too
+    (:mod:`autoshard.tools.plan.tensor_parallel`); left out, the search is as above.
 
     ``cluster`` (instead of ``world_size``, ``ranks_per_node`` and ``profile``): a
     :class:`~autoshard.cost.cluster.Cluster`. A homogeneous one gives exactly the plan of its
@@ -280,6 +278,9 @@ def plan(
     profile = "h100" if profile is None else profile
     if world_size < 1 or ranks_per_node < 1:
         raise UsageError(f"autoshard.plan: world_size and ranks_per_node must be at least 1, got {world_size} and {ranks_per_node}.")
+    if set(options) & set(TP_ARGUMENTS):  # the tensor-parallel degree chosen too
+        return plan_tensor_parallel(factory, *example_args, world_size=world_size, ranks_per_node=ranks_per_node, profile=profile,
+                                    memory_budget_gb=memory_budget_gb, precisions=precisions, progress=progress, cluster=cluster, **options)
     if not precisions or not set(precisions) <= set(PRECISIONS):
         raise UsageError(f"autoshard.plan: precisions must be some of {PRECISIONS}, got {precisions!r}; e.g. ('fp32', 'bf16'), "
                          "or ('bf16', 'bf16_int8') to allow int8 gathers (lossy).")

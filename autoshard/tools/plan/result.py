@@ -13,6 +13,7 @@ from autoshard.cost.cluster import Cluster
 from autoshard.cost.mixed_cluster import TypeStep
 from autoshard.cost.simulator import kwh_per_million_tokens
 from autoshard.runtime.compression import Compression
+from autoshard.runtime.errors import UsageError
 from autoshard.runtime.layout import ShardLayout
 from autoshard.runtime.mixed_precision import MixedPrecision
 from autoshard.tools.plan.layouts import Candidate
@@ -67,11 +68,16 @@ class Plan:
     state_shares: tuple[float, ...] | None = None
     # Blocks per all-reduce bucket, the backend option (chosen on a mixed cluster; 1: one per block).
     all_reduce_blocks: int = 1
+    # The tensor-parallel degree (mesh_shape: the data-parallel mesh then), the global batch it
+    # was planned for, and why that degree (autoshard/tools/plan/tensor_parallel.py).
+    tensor_parallel: int = 1
+    global_batch: int | None = None
+    tensor_parallel_why: str = ""
 
     @property
     def candidate(self) -> Candidate:
         return Candidate(self.strategy, self.mesh_shape, self.precision, self.blocks, self.block_strategy, self.block_mesh_shape,
-                         self.experts, self.all_reduce_blocks)
+                         self.experts, self.all_reduce_blocks, self.tensor_parallel)
 
     @property
     def compile_options(self) -> dict[str, Any]:
@@ -86,6 +92,11 @@ class Plan:
     @property
     def layout(self) -> ShardLayout:
         """What ``autoshard.shard(model, plan=...)`` applies."""
+        if self.tensor_parallel > 1:
+            raise UsageError(f"autoshard.shard: plan= cannot apply a plan with tensor parallelism (tp {self.tensor_parallel}); apply it as "
+                             f"init_device_mesh(..., ({self.mesh_shape[0]}, {self.tensor_parallel}), mesh_dim_names=('dp', 'tp')), "
+                             "parallelize_module(model, mesh['tp'], tp_plan), autoshard.shard(model, mesh['dp'], "
+                             "strategy=plan.strategy, mixed_precision=plan.mixed_precision).")
         return ShardLayout(self.strategy, tuple(self.mesh_shape), self.world_size, self.mixed_precision, tuple(self.blocks),
                            self.block_strategy, tuple(self.block_mesh_shape), self.experts, self.compression)
 
@@ -130,6 +141,8 @@ class Plan:
         if self.all_reduce_blocks > 1:
             lines.append(f"all-reduces: one per {self.all_reduce_blocks} blocks (backend option all_reduce_blocks; "
                          "torch.compile(..., options=plan.compile_options))")
+        if self.tensor_parallel_why:
+            lines.append(f"tensor parallel: {self.tensor_parallel_why}")
         if not self.candidate.whole:
             lines.append(f"{len(self.blocks)} blocks ({', '.join(self.blocks[:3])}{', ...' if len(self.blocks) > 3 else ''}): "
                          f"{self.block_strategy} on {self.block_mesh_shape}; the rest: {self.strategy} on {self.mesh_shape}")
