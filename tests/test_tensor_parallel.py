@@ -96,13 +96,14 @@ def test_gathers_run_over_dp_and_tensor_parallel_all_reduces_over_tp():
         ours = {k: v for k, v in counts.items() if k[2]}
         theirs = {k: v for k, v in counts.items() if not k[2]}
         assert ours and {ranks for _, ranks, _ in ours} == {dp}, (stage, counts)
-        # RowwiseParallel's partial sums: attention's proj and the MLP's out, 2 blocks.
-        assert theirs == {("all_reduce", tp, False): 4}, (stage, counts)
+        # Per block, forward: the partial sums of attention's proj and the MLP's out (row-parallel);
+        # backward: those of the input gradients of qkv and fc and of qkv's weight (whole over tp).
+        assert theirs == {("all_reduce", tp, False): 4 if stage == "forward" else 6}, (stage, counts)
     p = found["placements"]
     assert p["blocks.0.fc.weight"] == ((StridedShard(0, split_factor=2), Shard(0)), (16, 32))  # [128, 32]: 64 per tp rank, 16 per dp rank
     assert p["blocks.0.out.weight"] == ((Shard(0), Shard(1)), (8, 64))  # [32, 128]
     assert p["blocks.0.ln1.weight"] == ((Shard(0), Replicate()), (8,))
-    assert p["blocks.0.attn.qkv.weight"] == ((Replicate(), StridedShard(0, split_factor=3)), (48, 32))  # whole over dp
+    assert p["blocks.0.attn.qkv.weight"] == ((Shard(0), Replicate()), (24, 32))  # whole over tp, each rank its heads' rows
 
 
 def test_hsdp_times_tp_names_the_right_group_on_every_collective():
@@ -113,8 +114,8 @@ def test_hsdp_times_tp_names_the_right_group_on_every_collective():
     forward, backward = found["collectives"]["forward"], found["collectives"]["backward"]
     assert forward == {("all_gather", (5, 7), True): forward[("all_gather", (5, 7), True)], ("all_reduce", (4, 5), False): 4}
     kinds = {(kind, ranks) for kind, ranks, ours in backward if ours}
-    assert kinds == {("all_gather", (5, 7)), ("reduce_scatter", (5, 7)), ("all_reduce", (5, 7)), ("all_reduce", (1, 5))}
-    assert {k: v for k, v in backward.items() if not k[2]} == {("all_reduce", (4, 5), False): 4}
+    assert kinds == {("all_gather", (5, 7)), ("reduce_scatter", (5, 7)), ("all_reduce", (1, 5))}
+    assert {k: v for k, v in backward.items() if not k[2]} == {("all_reduce", (4, 5), False): 6}
     assert found["placements"]["blocks.0.fc.weight"][0] == (Replicate(), StridedShard(0, split_factor=2), Shard(0))
 
 
@@ -136,7 +137,7 @@ def test_explain_shows_tensor_parallel_collectives_on_their_own_lane():
     found = _in_fresh_process(_explained)
     tp = [e for e in found["events"] if not e[3]]
     ours = [e for e in found["events"] if e[3]]
-    assert len(tp) == 8 and {e[1] for e in tp} == {"all_reduce"}, tp  # 2 per block, forward and backward
+    assert len(tp) == 10 and {e[1] for e in tp} == {"all_reduce"}, tp  # per block 2 in the forward, 3 in the backward
     assert ours and not {e[2] for e in tp} & {e[2] for e in ours}
     all_reduces = len(tp) + sum(1 for e in ours if e[1] == "all_reduce")
     assert re.search(rf"collectives per step +{len(found['events'])} \(.*all_reduce {all_reduces}\)", found["summary"]), found["summary"]

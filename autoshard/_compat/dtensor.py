@@ -3,13 +3,15 @@ SimpleFSDP use for a dimension sharded twice, a submesh's root mesh, and DTensor
 shape of a placement (what a layout must agree with to be a valid DTensor)."""
 from __future__ import annotations
 
+import types
 from typing import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Placement, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
 from torch.distributed.tensor.placement_types import _StridedShard
@@ -33,9 +35,12 @@ def dtensor_local_shape(shape: Sequence[int], mesh: DeviceMesh, placements: Sequ
 
 def fused_colwise(parts: int) -> ParallelStyle:
     """``ColwiseParallel`` for a fused projection of ``parts`` outputs (q, k and v in one
-    ``nn.Linear``): each part's output features are sharded over tp
-    (``_StridedShard(0, split_factor=parts)``), so each rank computes its heads of every part
-    and the module returns them as a local tensor ``[..., parts * out / (parts * tp)]``."""
+    ``nn.Linear``): each rank computes its share of every part (its heads of q, k and v) and
+    returns them as a local tensor ``[..., out / tp]``. The weight stays whole over tp
+    (``Replicate()``; sharded over dp by ``autoshard.shard``), each rank multiplying by its rows
+    of each part, and its gradient is summed over tp. (Sharding it by part over tp,
+    ``_StridedShard(0, split_factor=parts)``, is what DTensor cannot yet compute with or gather
+    on every supported torch.)"""
     return _FusedColwise(parts)
 
 
@@ -46,9 +51,34 @@ class _FusedColwise(ColwiseParallel):
 
     def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
         for key, param in module.named_parameters():
-            spread = distribute_tensor(param, device_mesh, [_StridedShard(0, split_factor=self.parts)], src_data_rank=self.src_data_rank)
-            module.register_parameter(key, nn.Parameter(spread, requires_grad=param.requires_grad))
+            whole = distribute_tensor(param, device_mesh, [Replicate()], src_data_rank=self.src_data_rank)
+            module.register_parameter(key, nn.Parameter(whole, requires_grad=param.requires_grad))
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module = super()._apply(module, device_mesh)
+        # Plain ints, constants to Dynamo: which rows of each part this rank multiplies by.
+        module._tp_parts, module._tp_rank, module._tp_size = self.parts, device_mesh.get_local_rank(), device_mesh.size()
+        module.forward = types.MethodType(_local_linear, module)
+        return module
 
     @staticmethod
     def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):  # noqa: ANN001, ANN205
-        return outputs.to_local() if use_local_output else outputs  # already each rank's columns of every part
+        return outputs  # already this rank's share of every part, local
+
+
+def _mine(module: nn.Module, t: torch.Tensor | None) -> torch.Tensor | None:
+    """This rank's rows of each part of ``t`` (a whole weight or bias over tp), concatenated; its
+    gradient is this rank's term of a sum over tp, which DTensor all-reduces."""
+    if t is None:
+        return None
+    if isinstance(t, DTensor):
+        t = t.to_local(grad_placements=[Partial()])
+    parts = t.view(module._tp_parts, -1, *t.shape[1:])  # [parts, out / parts, ...]
+    return parts.chunk(module._tp_size, dim=1)[module._tp_rank].reshape(-1, *t.shape[1:])
+
+
+def _local_linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """[..., in] (replicated over tp) -> [..., out / tp]: this rank's share of every part."""
+    if isinstance(x, DTensor):  # its gradient is this rank's term of a sum over tp: DTensor all-reduces it
+        x = x.to_local(grad_placements=[Partial()])
+    return F.linear(x, _mine(module, module.weight), _mine(module, module.bias))
