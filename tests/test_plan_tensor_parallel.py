@@ -4,6 +4,7 @@ global batch cannot give every rank a sequence, tp 1 where FSDP alone fits and i
 the summary says why."""
 from __future__ import annotations
 
+import argparse
 import functools
 
 import pytest
@@ -11,9 +12,10 @@ import torch
 
 import autoshard
 from autoshard.runtime.errors import OverBudgetError, UsageError
+from autoshard.tools.plan import plan as plan_module
 from autoshard.tools.plan.layouts import Candidate, candidates
 from autoshard.tools.plan.result import Outcome
-from autoshard.tools.plan.tensor_parallel import _why, degrees, local_inputs
+from autoshard.tools.plan.tensor_parallel import _why, arguments, degrees, local_inputs
 
 from gpt import GPT, GPTConfig
 
@@ -85,6 +87,18 @@ def test_bad_input() -> None:
                        global_batch=1)
     assert issubclass(OverBudgetError, ValueError)
     assert local_inputs((TOKENS, 3), 5)[0].shape == (5, 32)
+
+
+def test_command_line_flags() -> None:
+    parser = argparse.ArgumentParser()
+    plan_module.add_arguments(parser)
+    args = parser.parse_args("f.py:m --world-size 16 --tensor-parallel 1 2 4 --tp-plan gpt --global-batch 4".split())
+    assert arguments(args) == {"tensor_parallel": (1, 2, 4), "tp_plan": autoshard.gpt_tp_plan, "global_batch": 4}
+    assert arguments(parser.parse_args(["f.py:m", "--world-size", "16"])) == {}  # no flag: the search as before
+    with pytest.raises(UsageError, match="go with --tensor-parallel"):
+        arguments(parser.parse_args(["f.py:m", "--world-size", "16", "--global-batch", "4"]))
+    with pytest.raises(UsageError, match="cannot load"):
+        arguments(parser.parse_args(["f.py:m", "--tensor-parallel", "2", "--tp-plan", "nowhere.py:plan"]))
 
 
 def test_default_search_is_unchanged() -> None:

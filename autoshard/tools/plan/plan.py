@@ -16,10 +16,9 @@ rank the same plan; ``autoshard.shard(model, plan=plan)`` applies it::
     model = autoshard.shard(make_model(), plan=plan)
     compiled = torch.compile(model, backend="autoshard", options=plan.compile_options)
 
-With ``precisions=("fp32", "bf16")`` each layout is also tried in bfloat16 (gradients reduced
-in float32); a mixed layout keeps one precision. Lossy choices only where listed:
-``"int8"`` and ``"bf16_int8"`` gather int8 with float32 scales (``autoshard.Compression(gather=
-"int8")``) and compute in float32 or bfloat16; the summary then says what the chosen layout's
+With ``precisions=("fp32", "bf16")`` each layout is also tried in bfloat16 (gradients reduced in float32); a mixed layout keeps
+one precision. Lossy choices only where listed: ``"int8"`` and ``"bf16_int8"`` gather int8 with float32 scales
+(``autoshard.Compression(gather="int8")``) and compute in float32 or bfloat16; the summary then says what the chosen layout's
 gathers save against the same layout uncompressed.
 """
 from __future__ import annotations
@@ -42,10 +41,10 @@ from autoshard.cost.cost_model import get_profile
 from autoshard.runtime.errors import OverBudgetError, UsageError, over_budget_in
 from autoshard.runtime.shard import is_sharded, shard
 from autoshard.tools.explain import add_input_arguments, explain, input_maker, load_factory
+from autoshard.tools.plan import tensor_parallel
 from autoshard.tools.plan.layouts import PRECISIONS, Bounds, Candidate, Params, candidates
 from autoshard.tools.plan.result import Outcome, Plan, _compression, _limit_bytes, _mixed_precision
 from autoshard.tools.plan.shares import best_split
-from autoshard.tools.plan.tensor_parallel import TP_ARGUMENTS, plan_tensor_parallel
 from autoshard.tools.units import fmt_bytes, fmt_time
 
 
@@ -234,17 +233,16 @@ def plan(
     memory_budget_gb: float | None = None, profile: str | None = None, precisions: tuple[str, ...] = ("fp32",),
     progress: Callable[[str], None] | None = None, cluster: Cluster | None = None, **options: Any,
 ) -> Plan:
-    """The fastest layout of ``factory``'s model over ``world_size`` ranks (``ranks_per_node``
-    per node) whose predicted peak per rank fits ``memory_budget_gb`` (optimizer state
-    included; None: any), on ``profile``'s cost model. ``factory`` builds the model unsharded
-    (called in a fake mode: no memory for weights); ``example_args`` and ``options`` are as
-    for :func:`autoshard.explain`. ``precisions``: of :data:`PRECISIONS`, those a layout may
-    gather and compute in. ``progress(line)`` gets a line per candidate.
+    """The fastest layout of ``factory``'s model over ``world_size`` ranks (``ranks_per_node`` per node) whose predicted peak
+    per rank fits ``memory_budget_gb`` (optimizer state included; None: any), on ``profile``'s cost model. ``factory`` builds
+    the model unsharded (called in a fake mode: no memory for weights); ``example_args`` and ``options`` are as for
+    :func:`autoshard.explain`. ``precisions``: of :data:`PRECISIONS`, those a layout may gather and compute in.
+    ``progress(line)`` gets a line per candidate.
 
     Whole-model layouts first (full shard and hybrid over one node always compiled, the others
-    only where the lower bounds of :mod:`autoshard.tools.plan.layouts` leave them a chance),
-    then, where the fastest does not fit the budget, the fastest that fits with as many of the model's repeated blocks as fit
-    laid out as the faster one. OverBudgetError (a ValueError) when no candidate fits, naming the smallest peak one has.
+    only where the lower bounds of :mod:`autoshard.tools.plan.layouts` leave them a chance), then, where the fastest does not
+    fit the budget, the fastest that fits with as many of the model's repeated blocks as fit laid out as the faster one.
+    OverBudgetError (a ValueError) when no candidate fits, naming the smallest peak one has.
     ``tensor_parallel=(1, 2, 4, 8)``, ``tp_plan``, ``global_batch``, ``depth``: the tensor-parallel degree chosen too
     (:mod:`autoshard.tools.plan.tensor_parallel`); left out, the search is as above.
 
@@ -278,9 +276,10 @@ def plan(
     profile = "h100" if profile is None else profile
     if world_size < 1 or ranks_per_node < 1:
         raise UsageError(f"autoshard.plan: world_size and ranks_per_node must be at least 1, got {world_size} and {ranks_per_node}.")
-    if set(options) & set(TP_ARGUMENTS):  # the tensor-parallel degree chosen too
-        return plan_tensor_parallel(factory, *example_args, world_size=world_size, ranks_per_node=ranks_per_node, profile=profile,
-                                    memory_budget_gb=memory_budget_gb, precisions=precisions, progress=progress, cluster=cluster, **options)
+    if set(options) & set(tensor_parallel.TP_ARGUMENTS):  # the tensor-parallel degree chosen too
+        return tensor_parallel.plan_tensor_parallel(factory, *example_args, world_size=world_size, ranks_per_node=ranks_per_node,
+                                                    profile=profile, memory_budget_gb=memory_budget_gb, precisions=precisions,
+                                                    progress=progress, cluster=cluster, **options)
     if not precisions or not set(precisions) <= set(PRECISIONS):
         raise UsageError(f"autoshard.plan: precisions must be some of {PRECISIONS}, got {precisions!r}; e.g. ('fp32', 'bf16'), "
                          "or ('bf16', 'bf16_int8') to allow int8 gathers (lossy).")
@@ -369,6 +368,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "int8, bf16_int8: int8 gathers, lossy, tried only if listed)")
     add_input_arguments(parser)
     parser.add_argument("--json", metavar="PATH", help="write the plan here (autoshard.Plan.load reads it)")
+    tensor_parallel.add_arguments(parser)
 
 
 def _read_cluster(path: str) -> Cluster:
@@ -389,7 +389,7 @@ def run(args: argparse.Namespace) -> int:
         cluster = _read_cluster(args.cluster) if args.cluster else None
         result = plan(factory, *example, world_size=args.world_size, ranks_per_node=args.ranks_per_node,
                       memory_budget_gb=args.memory_budget_gb, profile=args.profile, precisions=tuple(args.precisions),
-                      progress=lambda line: print(line, flush=True), cluster=cluster)
+                      progress=lambda line: print(line, flush=True), cluster=cluster, **tensor_parallel.arguments(args))
     except ValueError as e:  # UsageError, OverBudgetError, ...: reported as one line, exit status 1
         message = str(e) if str(e).startswith("autoshard") else f"autoshard plan: {e}"
         sys.exit(message.replace("\n", " "))

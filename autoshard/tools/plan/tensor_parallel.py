@@ -23,6 +23,7 @@ the extrapolated peak, not compiled into the schedule.
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import warnings
 from dataclasses import dataclass
@@ -37,7 +38,8 @@ from autoshard.compiler.options import parse_options
 from autoshard.cost.cost_model import get_profile
 from autoshard.runtime.errors import OverBudgetError, UsageError, over_budget_in
 from autoshard.runtime.shard import is_sharded, shard
-from autoshard.tools.explain import explain
+from autoshard.runtime.tp_plans import gpt_tp_plan, transformers_tp_plan
+from autoshard.tools.explain import explain, load_factory
 from autoshard.tools.plan.layouts import PRECISIONS, Candidate
 from autoshard.tools.plan.result import Outcome, Plan, _compression, _limit_bytes, _mixed_precision
 from autoshard.tools.units import fmt_bytes, fmt_time
@@ -250,3 +252,30 @@ def plan_tensor_parallel(factory: Callable[[], nn.Module], *example_args: Any, w
                 best.precision, tokens_per_step=global_batch * seq if not first.is_floating_point() else None,
                 tensor_parallel=best.tensor_parallel, global_batch=global_batch,
                 tensor_parallel_why=_why(chosen, outcomes, global_batch, world_size, limit))
+
+
+# -- command line ------------------------------------------------------------------------------
+
+NAMED_PLANS = {"transformers": transformers_tp_plan, "gpt": gpt_tp_plan}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``autoshard plan``'s tensor-parallel flags."""
+    parser.add_argument("--tensor-parallel", type=int, nargs="+", metavar="TP",
+                        help="tensor-parallel degrees to choose among, e.g. 1 2 4 8 (each divides --ranks-per-node); needs --tp-plan")
+    parser.add_argument("--tp-plan", metavar="PLAN", help="the parallelize_module plan: transformers (the model config's own), "
+                        "gpt (examples/gpt.py's), or FILE.py:FUNCTION / MODULE:FUNCTION taking the model")
+    parser.add_argument("--global-batch", type=int, help="sequences per step over all ranks, shared by the data-parallel ranks "
+                        "(with --tensor-parallel; default: --batch on every rank)")
+
+
+def arguments(args: argparse.Namespace) -> dict[str, Any]:
+    """plan()'s tensor-parallel keywords from the flags ({} without --tensor-parallel: the search as before)."""
+    if args.tensor_parallel is None:
+        if args.tp_plan is not None or args.global_batch is not None:
+            raise UsageError("autoshard plan: --tp-plan and --global-batch go with --tensor-parallel; add the degrees to choose "
+                             "among, e.g. --tensor-parallel 1 2 4 8.")
+        return {}
+    tp_plan = args.tp_plan and (NAMED_PLANS.get(args.tp_plan) or load_factory("autoshard plan", args.tp_plan))
+    given = {"global_batch": args.global_batch} if args.global_batch is not None else {}
+    return {"tensor_parallel": tuple(args.tensor_parallel), "tp_plan": tp_plan, **given}
