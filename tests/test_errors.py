@@ -73,6 +73,10 @@ WHERE = (
 
 # (file, enclosing function, exception) -> why its message need not start with a WHERE.
 INTERNAL = {
+    ("autoshard/runtime/layout.py", "local_chunk", "UsageError"):
+        "internal: shard refuses state shares with tensor parallelism and hybrid before any layout is cut",
+    ("autoshard/runtime/strided_state.py", "stored_placements", "UsageError"):
+        "internal: autoshard.shard never lays a dimension out twice strided (a strided tp weight stays whole over dp)",
     ("autoshard/runtime/batched.py", "key_for", "RuntimeError"):
         "internal: two batches whose 80-bit hashes collide; an autoshard bug to report, not a user's call",
     ("passes/schedule.py", "_untimed", "AssertionError"):

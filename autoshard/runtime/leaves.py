@@ -133,7 +133,8 @@ def _build(param: nn.Parameter, spec: Any) -> Leaves:
 def gathered_shape(param: nn.Parameter, spec: Any) -> tuple[int, ...]:
     """The shape a forward gathers ``param`` to: its own, or its tp-local piece's under tensor
     parallelism (autoshard/runtime/tensor_parallel.py)."""
-    return param.shape if spec.tp is None else spec.tp.local_shape
+    tp = getattr(spec, "tp", None)  # expert parallelism's specs have none
+    return param.shape if tp is None else tp.local_shape
 
 
 def synced(leaves: Leaves) -> nn.Parameter:
