@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
 import autoshard
 from autoshard._compat import dynamo_counters
@@ -57,9 +57,55 @@ def _without_gloo(fn: Callable[..., Any], args: tuple) -> Any:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # for the launcher's barrier
 
 
+class _Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm, self.fc, self.out = nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.out(torch.nn.functional.gelu(self.fc(self.norm(x))))
+
+
+class SequenceParallelLM(nn.Module):
+    """Embedding, two MLP blocks, a final norm and an untied head: torchtitan's sequence
+    parallel layout fits it (:func:`_sequence_parallel_plan`)."""
+
+    def __init__(self, vocab: int = 64, width: int = 32) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(vocab, width)
+        self.blocks = nn.ModuleList(_Block(width) for _ in range(2))
+        self.norm, self.head = nn.LayerNorm(width), nn.Linear(width, vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)  # [B, T, C]; under the plan each tp rank's [B, T / tp, C]
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.norm(x))
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def _sequence_parallel_plan(model: nn.Module) -> dict:
+    """torchtitan's layout: the residual stream sharded by sequence between the blocks' matmuls
+    (norms ``SequenceParallel``, their weights replicated over tp), gathered into each
+    column-parallel matmul, reduce-scattered out of each row-parallel one; the embedding
+    row-parallel over the vocabulary, the head column-parallel with its logits gathered."""
+    plan = {"emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)), "norm": SequenceParallel(),
+            "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())}
+    for i in range(len(model.blocks)):
+        plan.update({f"blocks.{i}.norm": SequenceParallel(), f"blocks.{i}.fc": ColwiseParallel(input_layouts=Shard(1)),
+                     f"blocks.{i}.out": RowwiseParallel(output_layouts=Shard(1))})
+    return plan
+
+
+def _build(name: str) -> nn.Module:
+    return SequenceParallelLM() if name == "sequence_parallel" else build(name)
+
+
 def _parallel_gpt(mesh, name: str = "gpt", **shard_kwargs: Any) -> nn.Module:
-    model = build(name)
-    parallelize_module(model, mesh["tp"], autoshard.gpt_tp_plan(model))
+    model = _build(name)
+    plan = _sequence_parallel_plan(model) if name == "sequence_parallel" else autoshard.gpt_tp_plan(model)
+    parallelize_module(model, mesh["tp"], plan)
     dp = mesh[tuple(n for n in mesh.mesh_dim_names if n != "tp")]
     return autoshard.shard(model, dp, **shard_kwargs)
 
@@ -209,7 +255,7 @@ def _train(compiler: str, name: str = "gpt", *, accumulate: bool = False, clip: 
     (SGD with momentum): the largest loss, gradient and clipped-norm differences."""
     torch._dynamo.reset()
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    reference = build(name)
+    reference = _build(name)
     model = _parallel_gpt(mesh, name, **shard_kwargs)
     opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (model, reference))
     run = torch.compile(model, backend="autoshard", options={"compiler": compiler, **(options or {})})
@@ -218,7 +264,7 @@ def _train(compiler: str, name: str = "gpt", *, accumulate: bool = False, clip: 
     start = mesh.get_local_rank(0) * per_rank
     found = {"loss": 0.0, "grad": 0.0, "norm": 0.0}
     for step in range(STEPS):
-        x, y = batch(name, step)
+        x, y = batch("gpt" if name == "sequence_parallel" else name, step)
         if accumulate:  # two micro-batches, gradients synchronised after the second
             half = per_rank // 2
             losses = []
@@ -271,7 +317,8 @@ def _cases(inductor: bool) -> dict[str, Any]:
     return {"aot_eager": _train("aot_eager"), "accumulate_clip": _train("aot_eager", accumulate=True, clip=0.05),
             "checkpointed": _train("aot_eager", "checkpointed"),
             "budget": _train("aot_eager", options={"memory_budget_gb": 1.0}), "bf16": _bf16(),
-            "grad_op": _train("aot_eager", strategy="grad_op"), "reshard": _train("aot_eager", reshard_after_forward=True),
+            "sequence_parallel": _train("aot_eager", "sequence_parallel"), "grad_op": _train("aot_eager", strategy="grad_op"),
+            "reshard": _train("aot_eager", reshard_after_forward=True),
             "rank": dist.get_rank()}
 
 
@@ -282,7 +329,7 @@ def _results(inductor: bool = False) -> list[dict]:
 
 @pytest.mark.slow
 @pytest.mark.multirank
-@pytest.mark.parametrize("case", ["aot_eager", "accumulate_clip", "checkpointed", "budget", "grad_op", "reshard"])
+@pytest.mark.parametrize("case", ["aot_eager", "accumulate_clip", "checkpointed", "budget", "sequence_parallel", "grad_op", "reshard"])
 def test_dp2_tp2_trains_like_one_process(case):
     for found in _results():
         assert max(found[case]["errors"].values()) <= TOL, (found["rank"], case, found[case])
