@@ -110,12 +110,12 @@ def test_default_search_is_unchanged() -> None:
 def test_the_70b_bench() -> None:
     """bench/tensor_parallel.py (about 90 s): torchtitan's layout predicted near its published bf16
     figure (the profile's known compute bias, docs/published.md, is about 1.3x fast), sequence
-    parallelism shrinking the predicted memory, and the plans where the batch rules out FSDP alone."""
-    from tensor_parallel import PUBLISHED, megatron_tp_plan, planned, replay  # bench/, on the path from conftest
+    parallelism keeping the predicted memory within the GPU, and the plans where the batch rules out FSDP alone."""
+    from tensor_parallel import PUBLISHED, planned, replay  # bench/, on the path from conftest
 
-    titan, megatron = replay(), replay(megatron_tp_plan)
+    titan = replay()  # (Megatron's plan without SP, over the GPU's memory: the bench's --tp-plan megatron, not rerun here)
     assert 0.8 < titan["tokens_per_s"] / PUBLISHED["vanilla TP"] < 1.4
-    assert titan["memory_gib"] < 96e9 / 2**30 < megatron["memory_gib"]  # SP and loss parallel: fits the GPU
+    assert titan["memory_gib"] < 96e9 / 2**30  # SP and loss parallel: fits the GPU
     assert titan["tp_comm_s"] > 0
     plan, text = planned(1024, 512)
     assert plan is not None and plan.tensor_parallel > 1 and plan.mesh_shape[0] * plan.tensor_parallel == 1024

@@ -70,8 +70,8 @@ def test_tensor_parallel_dp2_tp2_at_4_ranks() -> None:
     """The library's own tensor-parallel plan (``config.base_model_tp_plan``: q, k, v, gate and up
     column-parallel, o and down row-parallel) on ``mesh["tp"]``, then sharded over ``mesh["dp"]``:
     Llama's grouped-query attention (4 heads and 2 key/value heads: each tp rank its 2 and 1)
-    under both compilers, and with the library's checkpointing under Inductor."""
-    cases = [("llama", "aot_eager"), ("llama", "inductor"), ("llama_checkpointed", "inductor")]
+    under both compilers. (Checkpointing under TP: tests/test_tensor_parallel.py's GPT.)"""
+    cases = [("llama", "aot_eager"), ("llama", "inductor")]
     found = run_ranks(4, hf_models.parity_many, cases, "tp", timeout=900)[0]
     _check(found)
 
