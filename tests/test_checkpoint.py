@@ -31,11 +31,14 @@ def _adamw(model: torch.nn.Module, lr: float = 1e-3) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
 
 
-def _train(run, opt, steps: range) -> list[float]:
-    """Train on this rank's slice of each global batch; return the global mean losses."""
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    per_rank = GLOBAL_BATCH // world
-    mine = slice(rank * per_rank, (rank + 1) * per_rank)
+def train_losses(run, opt, steps: range, slices: tuple[int, int] | None = None) -> list[float]:
+    """Train on this rank's slice of each global batch; return the global mean losses.
+    ``slices``: (which, how many) slices of the batch, where ranks share one (tensor parallelism's
+    dp rank and dp size); default (rank, world size)."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    which, count = slices or ((dist.get_rank(), world) if dist.is_initialized() else (0, 1))
+    per_rank = GLOBAL_BATCH // count
+    mine = slice(which * per_rank, (which + 1) * per_rank)
     losses = []
     for step in steps:
         x, y = batch("gpt", step)
@@ -58,14 +61,14 @@ def _resume(path: str) -> dict:
     load(path, model, opt)
     # Loaded in place: a compiled model and the optimizer keep seeing the same parameters.
     assert all(p is q for p, q in zip(params, model.parameters(), strict=True))
-    return {"after": _train(model, opt, range(SAVE_AT, STEPS)), "params": full_state_dict(model, rank0_only=False)}
+    return {"after": train_losses(model, opt, range(SAVE_AT, STEPS)), "params": full_state_dict(model, rank0_only=False)}
 
 
 def _start(path: str) -> tuple[dict, torch.nn.Module]:
     """Train a fresh sharded model to SAVE_AT and save it."""
     model = autoshard.shard(build("gpt"))
     opt = _adamw(model)
-    out = {"before": _train(model, opt, range(SAVE_AT))}
+    out = {"before": train_losses(model, opt, range(SAVE_AT))}
     save(path, model, opt)
     return out, model
 
@@ -182,7 +185,7 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ckpt")
     (tmp / "scratch").mkdir()
     model = build("gpt")
-    reference = {"losses": _train(model, _adamw(model), range(STEPS)), "params": model.state_dict()}
+    reference = {"losses": train_losses(model, _adamw(model), range(STEPS)), "params": model.state_dict()}
     ranks = run_ranks(4, _world_sizes_2_4_2_1, str(tmp), timeout=400)
     results = {key: [r[key] for r in ranks if r[key] is not None] for key in ranks[0]}
     results["no_group_from_4"] = [_resume(str(tmp / "c4"))]  # unsharded, no process group
@@ -233,10 +236,10 @@ def test_crash_mid_save_keeps_previous_checkpoint(tmp_path, monkeypatch) -> None
     path = tmp_path / "ckpt"
     model = build("gpt")
     opt = _adamw(model)
-    _train(model, opt, range(1))
+    train_losses(model, opt, range(1))
     save(path, model, opt)
     saved = _snapshot(model, opt)
-    _train(model, opt, range(1, 2))
+    train_losses(model, opt, range(1, 2))
 
     def loaded() -> list[torch.Tensor]:
         fresh = build("gpt", seed=1)
@@ -308,7 +311,7 @@ def test_extra_state_comes_back_and_only_plain_data_is_saved_or_read(tmp_path, m
     model = build("gpt")
     opt = _adamw(model)
     scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
-    _train(model, opt, range(2))
+    train_losses(model, opt, range(2))
     scheduler.step()
     scheduler.step()
     rng = torch.get_rng_state()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from test_checkpoint import train_losses
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
@@ -28,7 +29,7 @@ from autoshard.tools.launch import run_ranks
 
 from fake_pg import fake_world
 from gpt import GPT, GPTConfig
-from models import GLOBAL_BATCH, batch, build
+from models import build
 
 STEPS, SAVE_AT, TOL = 4, 2, 1e-5
 CONFIG = dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)  # models.build("gpt")
@@ -83,24 +84,6 @@ def _two_d(model: nn.Module) -> nn.Module:
     return autoshard.shard(model, mesh["dp"])
 
 
-def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: range, dp: int, dp_size: int) -> list[float]:
-    """Train on this dp rank's slice of each global batch; return the global mean losses."""
-    per = GLOBAL_BATCH // dp_size
-    mine = slice(dp * per, (dp + 1) * per)
-    losses = []
-    for step in steps:
-        x, y = batch("gpt", step)
-        loss = model(x[mine], y[mine])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        total = loss.detach().clone()
-        if dist.is_initialized():
-            dist.all_reduce(total)
-        losses.append(total.item() / (dist.get_world_size() if dist.is_initialized() else 1))
-    return losses
-
-
 def _resumed(path: str, layout: str) -> dict:
     """Load ``path`` into a differently initialised model in ``layout``, train to STEPS."""
     model = build("gpt", seed=1)
@@ -108,7 +91,7 @@ def _resumed(path: str, layout: str) -> dict:
     opt = _adamw(model, lr=0.5)  # the checkpoint's lr (1e-3) must replace this one
     autoshard.load(path, model, opt)
     dp, dp_size = (dist.get_rank() // 2, 2) if layout == "2d" else (dist.get_rank(), dist.get_world_size())
-    return {"after": _train(model, opt, range(SAVE_AT, STEPS), dp, dp_size), "params": autoshard.full_state_dict(model)}
+    return {"after": train_losses(model, opt, range(SAVE_AT, STEPS), slices=(dp, dp_size)), "params": autoshard.full_state_dict(model)}
 
 
 def _meta_init() -> dict[str, bool]:
@@ -137,17 +120,19 @@ def _four_ranks(tmp: str) -> dict:
     opt = _adamw(model)
     # Trained compiled and saved through the compiled wrapper, as a training script does.
     compiled = torch.compile(model, backend="autoshard", options={"compiler": "aot_eager"})
-    out["before"] = _train(compiled, opt, range(SAVE_AT), rank // 2, 2)
+    out["before"] = train_losses(compiled, opt, range(SAVE_AT), slices=(rank // 2, 2))
     autoshard.save(c2d, compiled, opt)
     out["full_state_dict_at_save"] = autoshard.full_state_dict(model)
-    out["2d"] = {"after": _train(compiled, opt, range(SAVE_AT, STEPS), rank // 2, 2), "params": autoshard.full_state_dict(model)}
+    after = train_losses(compiled, opt, range(SAVE_AT, STEPS), slices=(rank // 2, 2))
+    out["2d"] = {"after": after, "params": autoshard.full_state_dict(model)}
     out["2d_from_2d"] = _resumed(c2d, "2d")
     # 2-D -> 1-D at 4 ranks; that 1-D model saved at once (a 1-D checkpoint) and loaded on 2 x 2.
     flat = autoshard.shard(build("gpt", seed=1))
     flat_opt = _adamw(flat, lr=0.5)
     autoshard.load(c2d, flat, flat_opt)
     autoshard.save(c1d, flat, flat_opt)
-    out["1d4_from_2d"] = {"after": _train(flat, flat_opt, range(SAVE_AT, STEPS), rank, 4), "params": autoshard.full_state_dict(flat)}
+    after = train_losses(flat, flat_opt, range(SAVE_AT, STEPS), slices=(rank, 4))
+    out["1d4_from_2d"] = {"after": after, "params": autoshard.full_state_dict(flat)}
     out["2d_from_1d4"] = _resumed(c1d, "2d")
     # 2-D -> 1-D at 2 ranks: a new group of ranks 0 and 1.
     dist.destroy_process_group()
@@ -167,16 +152,16 @@ def runs(tmp_path_factory) -> dict:
     model = build("gpt")
     opt = _adamw(model)
     start = {k: v.clone() for k, v in model.state_dict().items()}
-    losses = _train(model, opt, range(SAVE_AT), 0, 1)
+    losses = train_losses(model, opt, range(SAVE_AT), slices=(0, 1))
     at_save = {k: v.clone() for k, v in model.state_dict().items()}
-    losses += _train(model, opt, range(SAVE_AT, STEPS), 0, 1)
+    losses += train_losses(model, opt, range(SAVE_AT, STEPS), slices=(0, 1))
     reference = {"losses": losses, "start": start, "at_save": at_save, "params": model.state_dict()}
     ranks = run_ranks(4, _four_ranks, str(tmp), timeout=400)
     # Loaded in one process without a process group (unsharded).
     plain = build("gpt", seed=1)
     plain_opt = _adamw(plain, lr=0.5)
     autoshard.load(str(tmp / "c2d"), plain, plain_opt)
-    no_group = {"after": _train(plain, plain_opt, range(SAVE_AT, STEPS), 0, 1), "params": plain.state_dict()}
+    no_group = {"after": train_losses(plain, plain_opt, range(SAVE_AT, STEPS), slices=(0, 1)), "params": plain.state_dict()}
     return {"reference": reference, "ranks": ranks, "no_group_from_2d": no_group}
 
 

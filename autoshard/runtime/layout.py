@@ -62,11 +62,17 @@ def to_dtensor(param: nn.Parameter, mesh: DeviceMesh, placements: list[Placement
     seed, as FSDP2 assumes, or the meta device), so nothing is sent. ``rows``: state shares'
     row counts (see :func:`local_chunk`)."""
     full = param.detach()
-    local = local_chunk(full, mesh, placements, rows)
-    if local.numel() != full.numel():
-        local = local.clone()  # own storage: the full parameter is freed once replaced
-    stride = torch.empty(full.shape, device="meta").stride()
-    return DTensor.from_local(local, mesh, placements, run_check=False, shape=full.shape, stride=stride)
+    return piece_as_dtensor(local_chunk(full, mesh, placements, rows), full, mesh, placements, full.shape)
+
+
+def piece_as_dtensor(local: torch.Tensor, whole: torch.Tensor, mesh: DeviceMesh, placements: list[Placement],
+                     shape: torch.Size) -> DTensor:
+    """``local``, this rank's piece of ``whole``, as the DTensor of global ``shape``: in its own
+    storage where it is smaller, so ``whole`` is freed once the parameter is replaced."""
+    if local.numel() != whole.numel():
+        local = local.clone()
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
 
 
 def layout(mesh: DeviceMesh, strategy: str) -> tuple[dict, list[Placement], list[Placement]]:

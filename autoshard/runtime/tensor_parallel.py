@@ -39,7 +39,7 @@ from autoshard._compat import unset_fake_temporarily
 from autoshard._compat.dtensor import StridedShard, dtensor_local_shape, root_mesh
 from autoshard.runtime.errors import UsageError
 from autoshard.runtime.experts import MARK as EXPERT_MARK
-from autoshard.runtime.layout import local_chunk
+from autoshard.runtime.layout import local_chunk, piece_as_dtensor
 
 __all__ = ["Composition", "TensorParallel", "as_tensor_parallel", "composition"]
 
@@ -119,10 +119,7 @@ class Composition:
             raise UsageError(f"autoshard.shard: a parameter of shape {tuple(param.shape)} laid out {placements} holds "
                              f"{tuple(local.shape)} on this rank where DTensor expects {expected}; make its tensor-parallel "
                              "dimension divide evenly by the tp size.")
-        if local.numel() != whole.numel() or local.data_ptr() == whole.data_ptr():
-            local = local.clone()  # own storage: the tp-local tensor is freed once replaced
-        stride = torch.empty(param.shape, device="meta").stride()
-        return DTensor.from_local(local, self.root, placements, run_check=False, shape=param.shape, stride=stride)
+        return piece_as_dtensor(local, whole, self.root, placements, param.shape)
 
 
 def _ranks_along(root: DeviceMesh, dims: tuple[int, ...]) -> list[int]:
