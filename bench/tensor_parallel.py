@@ -146,12 +146,14 @@ def replay(tp_plan: Any = torchtitan_tp_plan, profile: str = "h100_grand_teton")
             "exposed_pct": 100 * exposed / step, "fusion_saved_s": saved, "tp_comm_s": tp_comm}
 
 
-def planned(world: int, global_batch: int, tp_plan: Any = torchtitan_tp_plan, profile: str = "h100_grand_teton") -> tuple[Any, str]:
-    """autoshard.plan's choice at ``world`` ranks for ``global_batch`` sequences, within 96 GB."""
+def planned(world: int, global_batch: int, tp_plan: Any = torchtitan_tp_plan, profile: str = "h100_grand_teton",
+            degrees: tuple[int, ...] = (1, 2, 4, 8)) -> tuple[Any, str]:
+    """autoshard.plan's choice at ``world`` ranks for ``global_batch`` sequences, within 96 GB,
+    among the tensor-parallel ``degrees``."""
     tokens = torch.zeros(1, SEQ, dtype=torch.long)
     try:
         plan = autoshard.plan(lambda: llama(LLAMA3_70B.n_layers), tokens, tokens, world_size=world, ranks_per_node=8, profile=profile,
-                              memory_budget_gb=HBM_GIB, precisions=("bf16",), tensor_parallel=(1, 2, 4, 8), tp_plan=tp_plan,
+                              memory_budget_gb=HBM_GIB, precisions=("bf16",), tensor_parallel=degrees, tp_plan=tp_plan,
                               global_batch=global_batch, depth=Depth(llama, LLAMA3_70B.n_layers, DEPTHS),
                               progress=lambda line: print(line, file=sys.stderr, flush=True))
     except ValueError as e:  # no degree can run the batch (or fits): that is the answer
