@@ -19,9 +19,16 @@ predicted step and memory for the same job (its default schedule, and optionally
 The simulator plays the unfused graph (eager PyTorch's kernels); a compiled run's step is that
 less what fusing each block's memory-bound ops saves (autoshard/cost/fusion.py).
 
-Memory is the simulator's peak of live tensors plus AdamW's two float32 states per shard
-(torchtitan reports the allocator's peak reserved memory). Tokens/s/GPU is the local batch's
-tokens over the predicted step. The optimizer step itself is not simulated.
+Memory, as torchtitan reports it, is the caching allocator's peak *reserved* bytes: predicted by
+replaying three steps' tensor storages through a model of PyTorch's caching allocator
+(autoshard/cost/allocator.py, ``reserved_memory``) with expandable segments, as torchtitan's
+launcher ran it (``PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True"`` in run_llama_train.sh
+at 9dec370), AdamW's two float32 states per shard allocated at the first optimizer step and
+the foreach AdamW's one temporary per shard each step. The columns also show the simulator's
+peak of live tensors plus the AdamW states (``live_gib``: the prediction before the allocator
+term) and the default allocator's reserved peak (``default_alloc_gib``, no expandable
+segments). Tokens/s/GPU is the local batch's tokens over the predicted step. The optimizer
+step's time is not simulated.
 """
 from __future__ import annotations
 
@@ -42,10 +49,13 @@ from llama3 import LLAMA3_8B, Llama3, LlamaConfig  # noqa: E402
 import autoshard  # noqa: E402
 from autoshard.cost.cost_model import get_profile  # noqa: E402
 from autoshard.cost.fusion import fusion_savings, module_path  # noqa: E402
+from autoshard.cost.simulator import reserved_memory  # noqa: E402
 
 BF16 = autoshard.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 ADAMW_STATES = 2  # float32 tensors per parameter shard (exp_avg, exp_avg_sq)
 HBM_GIB = 96e9 / 2**30  # Grand Teton's H100: 96 GB of HBM2e, the plan's memory budget
+FOREACH_TEMPORARIES = 1  # torch's foreach AdamW (torchtitan's default, foreach=True): exp_avg_sq_sqrt per shard
+STEPS = 3  # steps replayed through the allocator: the first allocates AdamW's states, then steady state
 SOURCE = "torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Tables 1 and 3 (commit 9dec370, 2024-12-26)"
 
 
@@ -114,13 +124,21 @@ def _played(cfg: LlamaConfig, run: Published, profile: Any, schedule: str) -> tu
     report = autoshard.explain(_factory(cfg), tokens, tokens, world_size=run.world, profile=profile,
                                stages=("captured", "forward", "backward"), schedule=schedule)
     saved = sum(fusion_savings(report.stages[s], get_profile(profile), in_block).saved for s in ("forward", "backward"))
-    return report.metrics, saved
+    metrics = dict(report.metrics)
+    for key, expandable in (("reserved", True), ("default_reserved", False)):
+        reserved = reserved_memory(report.simulation, steps=STEPS, expandable_segments=expandable,
+                                   optimizer_states=ADAMW_STATES, optimizer_temporaries=FOREACH_TEMPORARIES,
+                                   capacity=int(HBM_GIB * 2**30))
+        metrics[f"{key}_bytes"], metrics[f"{key}_allocated_bytes"] = reserved.peak_reserved_bytes, reserved.peak_allocated_bytes
+    return metrics, saved
 
 
 def _figures(m: dict[str, Any], run: Published, fused: float = 0.0) -> dict[str, float]:
     step = m["step_time"] - fused
     return {"step_s": step, "tokens_per_s": run.batch * run.seq / step,
-            "memory_gib": (m["peak_bytes"] + ADAMW_STATES * m["shard_bytes"]) / 2**30,
+            "live_gib": (m["peak_bytes"] + ADAMW_STATES * m["shard_bytes"]) / 2**30,
+            "memory_gib": m["reserved_bytes"] / 2**30, "default_alloc_gib": m["default_reserved_bytes"] / 2**30,
+            "allocated_gib": m["reserved_allocated_bytes"] / 2**30,
             "compute_s": m["compute_time"] - fused, "exposed_pct": 100 * m["exposed_comm"] / step,
             "fusion_saved_s": fused}
 
@@ -155,8 +173,11 @@ def replay(profile: Any = "h100_grand_teton", cfg: LlamaConfig = LLAMA3_8B, runs
         row = {"gpus": run.world, "compile": run.compiled,
                "published_tok_s": run.tokens_per_s, "predicted_tok_s": fsdp2["tokens_per_s"],
                "tok_s_ratio": fsdp2["tokens_per_s"] / run.tokens_per_s,
-               "published_gib": run.memory_gib, "predicted_gib": fsdp2["memory_gib"],
+               "published_gib": run.memory_gib, "live_gib": fsdp2["live_gib"],
+               "live_ratio": None if run.memory_gib is None else fsdp2["live_gib"] / run.memory_gib,
+               "predicted_gib": fsdp2["memory_gib"],
                "gib_ratio": None if run.memory_gib is None else fsdp2["memory_gib"] / run.memory_gib,
+               "default_alloc_gib": fsdp2["default_alloc_gib"],
                "step_s": fsdp2["step_s"], "compute_s": fsdp2["compute_s"], "exposed_pct": fsdp2["exposed_pct"]}
         for o in ours:
             row.update(autoshard_step_s=o["step_s"], autoshard_gib=o["memory_gib"], autoshard_vs_fsdp2=o["step_s"] / fsdp2["step_s"])
