@@ -177,7 +177,7 @@ def replay(profile: Any = "h100_grand_teton", cfg: LlamaConfig = LLAMA3_8B, runs
                "live_ratio": None if run.memory_gib is None else fsdp2["live_gib"] / run.memory_gib,
                "predicted_gib": fsdp2["memory_gib"],
                "gib_ratio": None if run.memory_gib is None else fsdp2["memory_gib"] / run.memory_gib,
-               "default_alloc_gib": fsdp2["default_alloc_gib"],
+               "default_alloc_gib": fsdp2["default_alloc_gib"], "allocated_gib": fsdp2["allocated_gib"],
                "step_s": fsdp2["step_s"], "compute_s": fsdp2["compute_s"], "exposed_pct": fsdp2["exposed_pct"]}
         for o in ours:
             row.update(autoshard_step_s=o["step_s"], autoshard_gib=o["memory_gib"], autoshard_vs_fsdp2=o["step_s"] / fsdp2["step_s"])

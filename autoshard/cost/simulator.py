@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 from torch import fx
 
+from autoshard.cost.allocator import Event as AllocatorEvent
+from autoshard.cost.allocator import replay
 from autoshard.cost.cost_model import (
     DeviceProfile,
     collective_of,
@@ -22,8 +24,6 @@ from autoshard.cost.cost_model import (
     node_time,
     schedule_config,
 )
-from autoshard.cost.allocator import Event as AllocatorEvent
-from autoshard.cost.allocator import replay
 from autoshard.cost.liveness import CATEGORIES, Liveness, MemoryPeak, Order, _copy_in, categorize, issuer, peak_of, saved_sources
 from autoshard.passes.graph_utils import COLLECTIVE_KINDS, PARAMS, collective_kind, is_wait
 from autoshard.passes.schedule_config import ScheduleConfig
