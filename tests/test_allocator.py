@@ -118,3 +118,23 @@ def test_per_step_peaks():
     stats = replay(step + [("step",), alloc(1, 10 * MiB), free(1)])
     assert stats.reserved_peak_per_step == [30 * MiB, 30 * MiB]
     assert stats.allocated_peak_per_step == [30 * MiB, 10 * MiB]
+
+
+def test_release_frees_only_wholly_free_segments():
+    """Capacity 100 MiB. Segment A (40 MiB) holds a 20 MiB block and 20 free after it; both
+    freed, they merge back into one free 40 MiB segment. Segment B (30 MiB) keeps a 12 MiB block.
+    A 50 MiB request (120 > 100) releases A only (B is split and in use): 30 + 50 = 80."""
+    events = [alloc(0, 40 * MiB), free(0), alloc(1, 20 * MiB), alloc(2, 20 * MiB), alloc(3, 30 * MiB),
+              free(3), alloc(4, 12 * MiB), free(2), free(1), alloc(5, 50 * MiB)]
+    stats = replay(events, capacity=100 * MiB)
+    assert stats.retries == 1 and stats.reserved == 80 * MiB and stats.peak_reserved == 80 * MiB
+
+
+def test_expandable_release_unmaps_the_free_pages_at_the_end():
+    """Expandable, capacity 100 MiB, one stream: 30 MiB (pages to 40) then 50 (grows to 80);
+    both freed, they are one free block over 80 mapped MiB. A 30 MiB request on another stream
+    (its own segment: 40 more, 120 > 100) unmaps the free pages: all of the first segment's 80
+    (the free block starts at 0). Reserved 40."""
+    events = [alloc(0, 30 * MiB), alloc(1, 50 * MiB), free(0), free(1), alloc(2, 30 * MiB, stream="all_gather")]
+    stats = replay(events, expandable_segments=True, capacity=100 * MiB)
+    assert stats.retries == 1 and stats.reserved == 40 * MiB and stats.peak_reserved == 80 * MiB

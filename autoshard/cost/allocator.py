@@ -92,8 +92,7 @@ class _Segment:
     index: int
     stream: str
     small: bool
-    expandable: bool
-    size: int  # bytes it reserves (default) / its mapped page granularity (expandable)
+    page: int  # expandable: the granularity its pages are mapped in
 
 
 @dataclass
@@ -120,7 +119,6 @@ class CachingAllocator:
         self.capacity = capacity
         self.stats = AllocatorStats()
         self._free: dict[tuple[str, bool], list[tuple[tuple[int, int, int], _Block]]] = {}
-        self._segments: list[list[_Block]] = []  # blocks in address order per segment (default)
         self._grow: dict[tuple[str, bool], _Block] = {}  # expandable: the unmapped block at each segment's end
         self._ids = itertools.count()
 
@@ -211,10 +209,7 @@ class CachingAllocator:
                 raise OutOfMemory(f"{size} B on stream {stream!r}: {self.stats.reserved} B reserved of {self.capacity}")
         self._reserve(grow)
         if not self.expandable:
-            segment = _Segment(next(self._ids), stream, small, False, grow)
-            block = _Block(0, grow, segment)
-            self._segments.append([block])
-            return block
+            return _Block(0, grow, _Segment(next(self._ids), stream, small, grow))
         end = self._grow[(stream, small)]
         start = end.prev.start if end.prev is not None and not end.prev.allocated else end.start
         block = _Block(end.start, grow, end.segment, prev=end.prev, next=end)
@@ -234,31 +229,27 @@ class CachingAllocator:
         key = (stream, small)
         if key not in self._grow:
             page = SMALL_BUFFER if small else LARGE_BUFFER
-            segment = _Segment(next(self._ids), stream, small, True, page)
+            segment = _Segment(next(self._ids), stream, small, page)
             self._grow[key] = _Block(0, 1 << 62, segment, mapped=False)
         end = self._grow[key]
         tail = end.prev if end.prev is not None and not end.prev.allocated else None
         start = tail.start if tail is not None else end.start
-        return _up(start + size, end.segment.size) - end.start
+        return _up(start + size, end.segment.page) - end.start
 
     def _release(self) -> None:
         """Free cached memory: whole free segments (default); the free pages at each expandable
         segment's mapped end (PyTorch also unmaps free pages inside a segment, to be mapped
         again where a later request fits: not modelled)."""
-        if not self.expandable:
-            for blocks in self._segments:
-                b = blocks[0]
-                if b.size and not b.allocated and b.prev is None and b.next is None:
-                    self._remove(b)
-                    self.stats.reserved -= b.size
-                    b.size = 0
-            self._segments = [bs for bs in self._segments if bs[0].size]
+        if not self.expandable:  # a free block with no neighbours is a whole segment
+            for key, blocks in self._free.items():
+                self.stats.reserved -= sum(b.size for _, b in blocks if b.prev is None and b.next is None)
+                self._free[key] = [(k, b) for k, b in blocks if b.prev is not None or b.next is not None]
             return
         for end in self._grow.values():
             tail = end.prev
             if tail is None or tail.allocated:
                 continue
-            keep = _up(tail.start, end.segment.size)  # the page holding the tail's start stays mapped
+            keep = _up(tail.start, end.segment.page)  # the page holding the tail's start stays mapped
             drop = end.start - keep
             if drop <= 0:
                 continue
