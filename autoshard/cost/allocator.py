@@ -66,6 +66,13 @@ def _up(n: int, unit: int) -> int:
     return -(-n // unit) * unit
 
 
+def _peak(value: int, peak: int, per_step: list[int]) -> int:
+    """The new overall peak; the current step's (the last of ``per_step``) raised in place."""
+    if per_step:
+        per_step[-1] = max(per_step[-1], value)
+    return max(peak, value)
+
+
 def segment_size(size: int) -> int:
     """The bytes a default (non-expandable) segment for a rounded request of ``size`` reserves."""
     if size <= SMALL_SIZE:
@@ -122,7 +129,6 @@ class CachingAllocator:
         self._grow: dict[tuple[str, bool], _Block] = {}  # expandable: the unmapped block at each segment's end
         self._ids = itertools.count()
 
-    # -- free lists --------------------------------------------------------------------------
     def _insert(self, b: _Block) -> None:
         bisect.insort(self._free.setdefault((b.segment.stream, b.segment.small), []), (b.key(), b), key=lambda e: e[0])
 
@@ -144,7 +150,6 @@ class CachingAllocator:
             at_end = at_end or b
         return at_end
 
-    # -- malloc / free -----------------------------------------------------------------------
     def malloc(self, nbytes: int, stream: str) -> _Block:
         size = round_size(nbytes)
         small = size <= SMALL_SIZE
@@ -161,11 +166,8 @@ class CachingAllocator:
             block.next, block.size = tail, size
             self._insert(tail)
         block.allocated = True
-        s = self.stats
-        s.allocated += block.size
-        s.peak_allocated = max(s.peak_allocated, s.allocated)
-        if s.allocated_peak_per_step:
-            s.allocated_peak_per_step[-1] = max(s.allocated_peak_per_step[-1], s.allocated)
+        self.stats.allocated += block.size
+        self.stats.peak_allocated = _peak(self.stats.allocated, self.stats.peak_allocated, self.stats.allocated_peak_per_step)
         return block
 
     def free(self, block: _Block) -> None:
@@ -190,13 +192,6 @@ class CachingAllocator:
                 other.next.prev = block
         block.size += other.size
 
-    def _reserve(self, nbytes: int) -> None:
-        s = self.stats
-        s.reserved += nbytes
-        s.peak_reserved = max(s.peak_reserved, s.reserved)
-        if s.reserved_peak_per_step:
-            s.reserved_peak_per_step[-1] = max(s.reserved_peak_per_step[-1], s.reserved)
-
     def _new_space(self, stream: str, small: bool, size: int) -> _Block:
         """A free block of at least ``size`` from new device memory, releasing cached memory
         first if ``capacity`` requires it."""
@@ -207,7 +202,8 @@ class CachingAllocator:
             grow = self._growth(stream, small, size)
             if self.stats.reserved + grow > self.capacity:
                 raise OutOfMemory(f"{size} B on stream {stream!r}: {self.stats.reserved} B reserved of {self.capacity}")
-        self._reserve(grow)
+        self.stats.reserved += grow
+        self.stats.peak_reserved = _peak(self.stats.reserved, self.stats.peak_reserved, self.stats.reserved_peak_per_step)
         if not self.expandable:
             return _Block(0, grow, _Segment(next(self._ids), stream, small, grow))
         end = self._grow[(stream, small)]
