@@ -21,7 +21,7 @@ less what fusing each block's memory-bound ops saves (autoshard/cost/fusion.py).
 
 Memory, as torchtitan reports it, is the caching allocator's peak *reserved* bytes: predicted by
 replaying three steps' tensor storages through a model of PyTorch's caching allocator
-(autoshard/cost/allocator.py, ``reserved_memory``) with expandable segments, as torchtitan's
+(autoshard/cost/allocator.py, ``autoshard.cost.reserved.reserved_memory``) with expandable segments, as torchtitan's
 launcher ran it (``PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True"`` in run_llama_train.sh
 at 9dec370), AdamW's two float32 states per shard allocated at the first optimizer step and
 the foreach AdamW's one temporary per shard each step. The columns also show the simulator's
@@ -49,7 +49,7 @@ from llama3 import LLAMA3_8B, Llama3, LlamaConfig  # noqa: E402
 import autoshard  # noqa: E402
 from autoshard.cost.cost_model import get_profile  # noqa: E402
 from autoshard.cost.fusion import fusion_savings, module_path  # noqa: E402
-from autoshard.cost.simulator import reserved_memory  # noqa: E402
+from autoshard.cost.reserved import reserved_memory  # noqa: E402
 
 BF16 = autoshard.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 ADAMW_STATES = 2  # float32 tensors per parameter shard (exp_avg, exp_avg_sq)

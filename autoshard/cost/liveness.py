@@ -189,7 +189,7 @@ class Liveness:
 # -- what each storage holds ---------------------------------------------------------------------
 
 
-def _copy_in(collective: fx.Node) -> tuple[list[fx.Node], list[fx.Node]]:
+def copy_in(collective: fx.Node) -> tuple[list[fx.Node], list[fx.Node]]:
     """(the views, pads, concatenations, copies and casts feeding ``collective``; the nodes
     that feed those and compute something)."""
     chain, producers, seen = [], [], set()
@@ -240,7 +240,7 @@ def categorize(live: Liveness, order: Order, sources: dict[fx.Node, fx.Node]) ->
     for _, node in order:
         kind = collective_kind(node)
         if kind is not None:
-            (gathers if kind == "all_gather" else reductions).append((node, *_copy_in(node)))
+            (gathers if kind == "all_gather" else reductions).append((node, *copy_in(node)))
     for _, _, producers in gathers:
         parameters.update(sources.get(p, p) for p in producers if sources.get(p, p).op == "placeholder")
 
