@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from autoshard.cost.allocator import OutOfMemory, replay, round_size, segment_size
+from autoshard.cost.allocator import replay, round_size, segment_size
+from autoshard.runtime.errors import OverBudgetError
 
 MiB = 1 << 20
 
@@ -81,7 +82,7 @@ def test_capacity_releases_free_segments_before_failing():
     free 40 MiB segment is released (one retry) and 50 reserved; 70 more cannot fit."""
     stats = replay([alloc(0, 40 * MiB), free(0), alloc(1, 50 * MiB)], capacity=64 * MiB)
     assert stats.retries == 1 and stats.reserved == 50 * MiB and stats.peak_reserved == 50 * MiB
-    with pytest.raises(OutOfMemory):
+    with pytest.raises(OverBudgetError, match="does not fit"):
         replay([alloc(0, 40 * MiB), alloc(1, 30 * MiB)], capacity=64 * MiB)
 
 

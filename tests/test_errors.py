@@ -50,6 +50,7 @@ WHERE = (
     "autoshard.Report: ",
     "autoshard.tools.launch.run_ranks: ",
     "autoshard.cost.simulator.analyze: ",
+    "autoshard.cost.allocator: ",  # replay(capacity=...) and reserved.reserved_memory(capacity=...)
     "autoshard.cost.simulator.kwh_per_million_tokens: ",
     "set_requires_gradient_sync: ",
     "autoshard option '",  # a backend option: "autoshard option 'bucket_mb' must be ..."

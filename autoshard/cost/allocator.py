@@ -34,7 +34,7 @@ Not modelled: ``max_split_size_mb``, ``roundup_power2_divisions`` and the other
 ``PYTORCH_CUDA_ALLOC_CONF`` knobs (off by default), ``record_stream`` (events delaying reuse),
 CUDA graphs' private pools, the CUDA context and library workspaces (cuBLAS, NCCL), and
 ``garbage_collection_threshold``. A request that still does not fit under ``capacity`` after
-the release raises :class:`OutOfMemory`.
+the release raises :class:`~autoshard.runtime.errors.OverBudgetError`.
 """
 from __future__ import annotations
 
@@ -42,6 +42,8 @@ import bisect
 import itertools
 from dataclasses import dataclass, field
 from typing import Iterable, Union
+
+from autoshard.runtime.errors import OverBudgetError
 
 MIN_BLOCK = 512  # kMinBlockSize: every request rounds up to a multiple of it
 SMALL_SIZE = 1 << 20  # kSmallSize: the largest small-pool request
@@ -51,10 +53,6 @@ MIN_LARGE_ALLOC = 10 << 20  # kMinLargeAlloc
 ROUND_LARGE = 2 << 20  # kRoundLarge: larger segments are the request rounded up to it
 
 Event = Union[tuple[str, object, int, str], tuple[str, object], tuple[str]]
-
-
-class OutOfMemory(RuntimeError):
-    """A request that no cached block, no new segment within ``capacity`` and no release meets."""
 
 
 def round_size(nbytes: int) -> int:
@@ -201,7 +199,10 @@ class CachingAllocator:
             self._release()
             grow = self._growth(stream, small, size)
             if self.stats.reserved + grow > self.capacity:
-                raise OutOfMemory(f"{size} B on stream {stream!r}: {self.stats.reserved} B reserved of {self.capacity}")
+                raise OverBudgetError(
+                    f"autoshard.cost.allocator: a {size} B request on stream {stream!r} does not fit: {self.stats.reserved} B stay "
+                    f"reserved of the {self.capacity} B capacity after releasing the cached memory; raise the capacity, or "
+                    "lower what the step holds (a memory budget, more ranks, activation checkpointing).")
         self.stats.reserved += grow
         self.stats.peak_reserved = _peak(self.stats.reserved, self.stats.peak_reserved, self.stats.reserved_peak_per_step)
         if not self.expandable:
