@@ -52,14 +52,9 @@ def _fusible(node: fx.Node, within: Callable[[fx.Node], bool]) -> bool:
     return within(node)
 
 
-def fusion_savings(gm: fx.GraphModule, profile: str | DeviceProfile,
-                   within: Callable[[fx.Node], bool] = lambda node: True) -> Fusion:
-    """The memory-bound ops of ``gm`` that ``within`` says the compiler sees, grouped into
-    connected runs (an edge between two fusible ops joins them): each run priced as one
-    kernel (a launch, plus the bytes of its distinct outside inputs and of its outputs used
-    outside it, over the memory bandwidth) against its ops priced one kernel each
-    (:func:`autoshard.cost.cost_model.node_time`)."""
-    profile = get_profile(profile)
+def _runs(gm: fx.GraphModule, within: Callable[[fx.Node], bool]) -> tuple[list[list[fx.Node]], int]:
+    """The connected runs of ``gm``'s fusible ops that ``within`` says the compiler sees (an
+    edge between two fusible ops joins them), and how many ops they hold."""
     ops = [n for n in gm.graph.nodes if _fusible(n, within)]
     members = set(ops)
     parent = {n: n for n in ops}
@@ -77,9 +72,20 @@ def fusion_savings(gm: fx.GraphModule, profile: str | DeviceProfile,
     runs: dict[fx.Node, list[fx.Node]] = defaultdict(list)
     for n in ops:
         runs[root(n)].append(n)
+    return list(runs.values()), len(ops)
+
+
+def fusion_savings(gm: fx.GraphModule, profile: str | DeviceProfile,
+                   within: Callable[[fx.Node], bool] = lambda node: True) -> Fusion:
+    """The memory-bound ops of ``gm`` that ``within`` says the compiler sees, grouped into
+    connected runs: each run priced as one kernel (a launch, plus the bytes of its distinct
+    outside inputs and of its outputs used outside it, over the memory bandwidth) against its
+    ops priced one kernel each (:func:`autoshard.cost.cost_model.node_time`)."""
+    profile = get_profile(profile)
+    runs, ops = _runs(gm, within)
     unfused = fused = 0.0
     kernels = 0
-    for run in runs.values():
+    for run in runs:
         inside = set(run)
         times = [node_time(n, profile) for n in run]
         unfused += sum(times)
@@ -91,4 +97,24 @@ def fusion_savings(gm: fx.GraphModule, profile: str | DeviceProfile,
         nbytes = sum(tensor_bytes(i.meta.get("val")) for i in inputs) + sum(tensor_bytes(n.meta.get("val")) for n in outputs)
         fused += len(run) * profile.op_overhead + profile.launch_overhead + nbytes / profile.mem_bandwidth
         kernels += 1
-    return Fusion(unfused, fused, kernels, len(ops))
+    return Fusion(unfused, fused, kernels, ops)
+
+
+def unmaterialized(gm: fx.GraphModule, within: Callable[[fx.Node], bool] = lambda node: True) -> set[fx.Node]:
+    """The ops of ``gm``'s fusible runs whose values a fused kernel never writes to memory: no
+    user outside their run reads them, nor a view of them (a view that leaves the run keeps
+    the storage it aliases). Ideal fusion, as :func:`fusion_savings` prices it: an upper bound
+    on what the compiler keeps in registers."""
+    hidden: set[fx.Node] = set()
+    for run in _runs(gm, within)[0]:
+        inside = set(run)
+        leaving = [n for n in run if any(u not in inside for u in n.users)]
+        kept = set()
+        while leaving:
+            n = leaving.pop()
+            if n not in kept:
+                kept.add(n)
+                if is_view(n, hidden=True):  # it aliases its first input: that storage leaves too
+                    leaving += [i for i in n.all_input_nodes[:1] if i in inside]
+        hidden |= inside - kept
+    return hidden

@@ -6,6 +6,7 @@ allocated."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Collection
 
 from torch import fx
 
@@ -45,7 +46,8 @@ def _stream_of(live: Liveness, order: Order) -> list[str]:
 
 
 def reserved_memory(sim: Simulation, *, steps: int = 3, expandable_segments: bool = False, optimizer_states: int = 0,
-                    optimizer_temporaries: int = 0, capacity: int | None = None) -> ReservedMemory:
+                    optimizer_temporaries: int = 0, capacity: int | None = None,
+                    unmaterialized: Collection[fx.Node] = ()) -> ReservedMemory:
     """Replay ``steps`` training steps of ``sim``'s storages, in execution order, through the
     caching allocator of :mod:`autoshard.cost.allocator`.
 
@@ -56,7 +58,9 @@ def reserved_memory(sim: Simulation, *, steps: int = 3, expandable_segments: boo
     (after the first backward, gradients still alive: AdamW's lazy state init, exp_avg and
     exp_avg_sq per parameter) and keeps them; every step it allocates and frees
     ``optimizer_temporaries`` more per shard (the foreach AdamW's ``exp_avg_sq_sqrt``). Every
-    other storage is allocated and freed within its step where the liveness says.
+    other storage is allocated and freed within its step where the liveness says, but for the
+    values of ``unmaterialized`` (a compiled run's fused intermediates,
+    :func:`autoshard.cost.fusion.unmaterialized`): never allocated.
     Compute-only: takes longer than the simulation's own memory curve, so it is run on request.
     """
     forward, backward = sim.forward, sim.backward
@@ -72,8 +76,9 @@ def reserved_memory(sim: Simulation, *, steps: int = 3, expandable_segments: boo
     kept_set = set(kept)
     allocs: list[list[int]] = [[] for _ in range(live.end + 1)]
     frees: list[list[int]] = [[] for _ in range(live.end + 1)]
+    hidden = set(unmaterialized)
     for i, s in enumerate(live.storages):
-        if i not in kept_set:
+        if i not in kept_set and s.node not in hidden:
             allocs[s.alloc_at].append(i)
             frees[min(s.last_use, live.end)].append(i)
     events: list[AllocatorEvent] = [("alloc", ("kept", i), live.storages[i].nbytes, streams[i]) for i in kept]
