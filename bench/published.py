@@ -113,8 +113,7 @@ def simulate(cfg: LlamaConfig, run: Published, profile: Any, schedule: str) -> d
     ops saves (:func:`autoshard.cost.fusion.fusion_savings`); compute runs on one
     stream, so the saving comes off the step whole (the exposed communication held as
     simulated)."""
-    metrics, saved = _played(cfg, run, profile, schedule)
-    return _figures(metrics, run, saved if run.compiled else 0.0)
+    return _figures(*_played(cfg, run, profile, schedule), run)
 
 
 def _played(cfg: LlamaConfig, run: Published, profile: Any, schedule: str) -> tuple[dict[str, Any], float]:
@@ -137,9 +136,11 @@ def _played(cfg: LlamaConfig, run: Published, profile: Any, schedule: str) -> tu
     return metrics, saved
 
 
-def _figures(m: dict[str, Any], run: Published, fused: float = 0.0) -> dict[str, float]:
+def _figures(m: dict[str, Any], saved: float, run: Published) -> dict[str, float]:
+    """A run's figures from its job's metrics: a compiled run's step less what fusion ``saved``,
+    its memory without the fused intermediates its blocks never allocate."""
+    fused, mem = (saved, "fused_") if run.compiled else (0.0, "")
     step = m["step_time"] - fused
-    mem = "fused_" if run.compiled else ""  # a compiled run's blocks never allocate their fused intermediates
     return {"step_s": step, "tokens_per_s": run.batch * run.seq / step,
             "live_gib": (m["peak_bytes"] + ADAMW_STATES * m["shard_bytes"]) / 2**30,
             "memory_gib": m[f"{mem}reserved_bytes"] / 2**30, "default_alloc_gib": m[f"{mem}default_reserved_bytes"] / 2**30,
@@ -174,7 +175,7 @@ def replay(profile: Any = "h100_grand_teton", cfg: LlamaConfig = LLAMA3_8B, runs
         key = (run.world, run.batch, run.seq)
         if key not in seen:
             seen[key] = [_played(job, run, profile, s) for s in ("fsdp2", "autoshard")[:1 + with_autoshard]]
-        fsdp2, *ours = (_figures(m, run, saved if run.compiled else 0.0) for m, saved in seen[key])
+        fsdp2, *ours = (_figures(m, saved, run) for m, saved in seen[key])
         row = {"gpus": run.world, "compile": run.compiled,
                "published_tok_s": run.tokens_per_s, "predicted_tok_s": fsdp2["tokens_per_s"],
                "tok_s_ratio": fsdp2["tokens_per_s"] / run.tokens_per_s,

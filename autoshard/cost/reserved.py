@@ -29,7 +29,6 @@ class ReservedMemory:
     peak_allocated_bytes: int
     reserved_per_step: tuple[int, ...]
     allocated_per_step: tuple[int, ...]
-    retries: int
 
 
 def _stream_of(live: Liveness, order: Order) -> list[str]:
@@ -76,6 +75,7 @@ def reserved_memory(sim: Simulation, *, steps: int = 3, expandable_segments: boo
     kept_set = set(kept)
     allocs: list[list[int]] = [[] for _ in range(live.end + 1)]
     frees: list[list[int]] = [[] for _ in range(live.end + 1)]
+    size = {i: live.storages[i].nbytes for i in shards}
     hidden = set(unmaterialized)
     for i, s in enumerate(live.storages):
         if i not in kept_set and s.node not in hidden:
@@ -89,7 +89,6 @@ def reserved_memory(sim: Simulation, *, steps: int = 3, expandable_segments: boo
             if pos < live.end:
                 events += [("free", (step, i)) for i in frees[pos]]
         # The optimizer step: lazy states on the first, then each step's temporaries; then zero_grad.
-        size = {i: live.storages[i].nbytes for i in shards}
         if step == 0:
             events += [("alloc", ("state", i, k), size[i], "compute") for i in shards for k in range(optimizer_states)]
         events += [("alloc", ("temp", step, i, k), size[i], "compute") for k in range(optimizer_temporaries) for i in shards]
@@ -97,4 +96,4 @@ def reserved_memory(sim: Simulation, *, steps: int = 3, expandable_segments: boo
         events += [("free", (step, i)) for i in frees[live.end]]
     stats = replay(events, expandable_segments=expandable_segments, capacity=capacity)
     return ReservedMemory(stats.reserved_peak_per_step[-1], stats.allocated_peak_per_step[-1],
-                          tuple(stats.reserved_peak_per_step), tuple(stats.allocated_peak_per_step), stats.retries)
+                          tuple(stats.reserved_peak_per_step), tuple(stats.allocated_peak_per_step))

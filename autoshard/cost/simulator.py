@@ -312,4 +312,3 @@ def analyze(forward: fx.GraphModule, backward: fx.GraphModule | None, profile: s
     mem = _memory(order, sources, sim.pop("starts"), config)
     return StepAnalysis(**sim, **mem, step_lower_bound=_step_lower_bound(forward, backward, sim, profile),
                         energy_j=_energy(sim, profile))
-
